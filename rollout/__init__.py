@@ -1,0 +1,8 @@
+"""rollout: fast RL rollouts from Hugging Face causal LMs, sharing the GPU with the trainer."""
+
+from rollout.engine import Engine
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.sampling import SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""The attention backend interface: one step's inputs, shared by every backend, and the ABC."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollout.cache.pool import KVPool
+
+
+@dataclass
+class AttnBatch:
+    """Where one step's new tokens go in the paged cache and what each of them attends to.
+
+    Request b has q_lens[b] new tokens at positions seq_lens[b] - q_lens[b] .. seq_lens[b] - 1; their
+    k/v are written to slot_mapping before attention, then each attends causally to its request's pages.
+    """
+
+    decode: bool  # every request has exactly one new token
+    q_lens: list[int]
+    seq_lens_cpu: list[int]
+    page_table: torch.Tensor  # int32 [B, max_pages]
+    seq_lens: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    slot_mapping: torch.Tensor  # int64 [T]: page * page_size + offset of each new token
+    max_q_len: int
+    max_seq_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV cache. `begin` runs once a step, `forward` once a layer."""
+
+    def __init__(self, kv: KVPool, num_heads: int, head_dim: int, sm_scale: float):
+        self.kv, self.num_heads, self.head_dim, self.sm_scale = kv, num_heads, head_dim, sm_scale
+
+    def begin(self, batch: AttnBatch) -> Any:
+        """Per-step metadata handed back to `forward` (default: the batch itself)."""
+        return batch
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D]."""

@@ -1,0 +1,45 @@
+"""Attention backends by name, imported lazily so optional packages stay optional."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from rollout.attention.base import AttentionBackend
+
+BACKENDS: dict[str, str] = {
+    "torch": "rollout.attention.torch_native:TorchNativeBackend",
+    "triton": "rollout.attention.triton_backend:TritonBackend",
+    "flashinfer": "rollout.attention.flashinfer_backend:FlashInferBackend",
+}
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+    if name != "auto":
+        if name != "torch" and device.type != "cuda":
+            raise ValueError(f"attention_backend={name!r} needs a CUDA device, the engine is on {device}")
+        return name
+    if device.type != "cuda":
+        return "torch"
+    if importlib.util.find_spec("flashinfer") is not None and _importable(
+        "rollout.attention.flashinfer_backend"
+    ):
+        return "flashinfer"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except Exception:  # a broken optional install must not stop the engine
+        return False
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    module, _, cls = BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,64 @@
+"""The engine's settings, checked once and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "auto"  # auto: the checkpoint's half dtype on a GPU (bfloat16 for float32), float32 on a CPU
+    seed: int = 0
+    mem_fraction: float = 0.85  # GPU: share of the device's memory for weights + KV cache + graphs
+    max_total_tokens: int | None = (
+        None  # KV pool size in tokens (default: from mem_fraction, or 32768 on a CPU)
+    )
+    max_running_requests: int = 256
+    max_model_len: int | None = None
+    max_prefill_tokens: int = 8192  # token budget of one prefill step (chunked prefill)
+    page_size: int = 16
+    enable_prefix_cache: bool = True
+    attention_backend: str = "auto"
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int | None = None  # default: max_running_requests
+    enable_memory_saver: bool = False
+    tp_size: int = 1
+    log_level: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, Path)):
+            raise TypeError(f"model must be a checkpoint folder path, got {type(self.model).__name__}")
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"model: {str(self.model)!r} is not a folder with a config.json")
+        object.__setattr__(self, "model", str(self.model))
+        if self.dtype not in (*DTYPES, "auto"):
+            raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {self.dtype!r}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("max_total_tokens", "max_model_len", "cuda_graph_max_bs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16

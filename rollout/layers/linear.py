@@ -1,0 +1,102 @@
+"""Linear layers that load Hugging Face weights into fused, tensor-parallel shards.
+
+Every loadable layer answers three questions about a named parameter and shard: the full Hugging Face
+shape it expects (`hf_shape`), how to copy a full tensor in (`load`), and how to read it back (`read`).
+Loads copy into the existing storage, so CUDA graphs and memory-saver regions stay valid.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.distributed import SINGLE, TPGroup
+
+Shard = int | str | None
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class ColumnLinear(nn.Module):
+    """y = x W^T + b with W's rows split over TP ranks; several HF matrices may be stacked (fused)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        *,
+        bias: bool,
+        shard_names: list[Shard],
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype,
+        device=None,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.out_sizes = list(out_sizes)
+        self.local_sizes = [tp.shard(n, "a fused output size") for n in out_sizes]
+        self.shard_names = list(shard_names)
+        self.in_features = in_features
+        self.weight = empty_param(sum(self.local_sizes), in_features, dtype=dtype, device=device)
+        self.bias = empty_param(sum(self.local_sizes), dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _rows(self, shard: Shard) -> tuple[int, int, int]:
+        i = self.shard_names.index(shard)
+        start = sum(self.local_sizes[:i])
+        return i, start, self.local_sizes[i]
+
+    def hf_shape(self, param: str, shard: Shard) -> tuple[int, ...]:
+        i = self.shard_names.index(shard)
+        return (self.out_sizes[i], self.in_features) if param == "weight" else (self.out_sizes[i],)
+
+    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+        _, start, n = self._rows(shard)
+        piece = full.narrow(0, self.tp.rank * n, n)
+        getattr(self, param).data.narrow(0, start, n).copy_(piece)
+
+    def read(self, param: str, shard: Shard) -> torch.Tensor:
+        _, start, n = self._rows(shard)
+        return self.tp.all_gather(getattr(self, param).data.narrow(0, start, n), dim=0)
+
+
+class RowLinear(nn.Module):
+    """y = x W^T + b with W's columns split over TP ranks; partial sums are all-reduced."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype,
+        device=None,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.local_in = tp.shard(in_features, "a row-parallel input size")
+        self.weight = empty_param(out_features, self.local_in, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def hf_shape(self, param: str, shard: Shard) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if param == "weight" else (self.out_features,)
+
+    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+        if param == "weight":
+            full = full.narrow(1, self.tp.rank * self.local_in, self.local_in)
+        getattr(self, param).data.copy_(full)
+
+    def read(self, param: str, shard: Shard) -> torch.Tensor:
+        data = getattr(self, param).data
+        return self.tp.all_gather(data, dim=1) if param == "weight" else data

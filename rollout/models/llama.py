@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), switched by ModelConfig flags, not by subclass.
+
+Shapes: T = new tokens in the step (all requests concatenated), H* = heads on this TP rank, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.attention.base import AttentionBackend
+from rollout.distributed import SINGLE, TPGroup
+from rollout.layers.embedding import LMHead, VocabEmbedding
+from rollout.layers.linear import ColumnLinear, RowLinear
+from rollout.layers.norm import RMSNorm
+from rollout.layers.rotary import Rotary
+from rollout.models.config import ModelConfig
+
+# HF parameter module -> (our fused module, shard inside it)
+FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# checkpoint entries that carry no weights of ours (old checkpoints saved rotary buffers)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one step besides its input: the attention backend and its metadata."""
+
+    backend: AttentionBackend
+    meta: Any
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device):
+        super().__init__()
+        D = cfg.head_dim
+        self.layer, self.head_dim = layer, D
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        kv_out = cfg.num_kv_heads * D
+        self.qkv_proj = ColumnLinear(
+            cfg.hidden_size,
+            [cfg.num_heads * D, kv_out, kv_out],
+            bias=cfg.qkv_bias,
+            shard_names=["q", "k", "v"],
+            tp=tp,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowLinear(
+            cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias, tp=tp, dtype=dtype, device=device
+        )
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, device=device) if cfg.qk_norm else None
+
+    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        D, Hq, Hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj(h).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos_sin), rope(k, cos_sin)
+        o = ctx.backend.forward(q, k, v, self.layer, ctx.meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, Hq * D))
+
+
+def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D], cos_sin: [T, D] (cos half | sin half); neox layout like HF
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device):
+        super().__init__()
+        I = cfg.intermediate_size  # noqa: E741
+        self.local_inter = tp.shard(I, "intermediate_size")
+        self.gate_up_proj = ColumnLinear(
+            cfg.hidden_size, [I, I], bias=cfg.mlp_bias, shard_names=[0, 1], tp=tp, dtype=dtype, device=device
+        )
+        self.down_proj = RowLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).split(self.local_inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer, tp, dtype, device)
+        self.mlp = MLP(cfg, tp, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, cos_sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device, max_positions: int):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, *, dtype: torch.dtype, device, max_positions: int, tp: TPGroup = SINGLE
+    ):
+        super().__init__()
+        self.config, self.tp = cfg, tp
+        self.model = Backbone(cfg, tp, dtype, device, max_positions)
+        if cfg.tie_word_embeddings:
+            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=None)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        cos_sin = self.model.rotary.cos_sin[positions]
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos_sin, ctx)
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head.logits(hidden).float()
+
+    # -- weights by Hugging Face name ---------------------------------------------------------------
+    def resolve(self, hf_name: str) -> tuple[nn.Module, str, Any] | None:
+        """The (module, parameter, shard) a HF parameter name loads into; None for ignorable entries."""
+        if hf_name.endswith(IGNORED_SUFFIXES):
+            return None
+        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return self.model.embed_tokens, "weight", None
+        *path, mod, param = hf_name.split(".")
+        mod, shard = FUSED.get(mod, (mod, None))
+        try:
+            module = self.get_submodule(".".join([*path, mod]))
+        except AttributeError:
+            module = None
+        if module is None or not hasattr(module, "load") or getattr(module, param, None) is None:
+            raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
+        return module, param, shard
+
+    def hf_names(self) -> list[str]:
+        """Every HF parameter name this model needs loaded (one entry per shard of a fused parameter)."""
+        fused_back = {v: k for k, v in FUSED.items()}
+        names = []
+        for mod_name, module in self.named_modules():
+            if not hasattr(module, "load") or module is self.lm_head and self.config.tie_word_embeddings:
+                continue
+            for param in ("weight", "bias"):
+                if getattr(module, param, None) is None:
+                    continue
+                *path, last = mod_name.split(".")
+                for shard in getattr(module, "shard_names", [None]):
+                    hf_mod = fused_back.get((last, shard), last)
+                    names.append(".".join([*path, hf_mod, param]))
+        return names

@@ -1,0 +1,21 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(MODELS)}")
+    module, _, cls = MODELS[architecture].partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,93 @@
+"""Sampling on the device: one batched pass, per-row parameters, logprobs before truncation.
+
+Each row draws with inverse-CDF sampling from one uniform number that the host derives from the
+request's seed and output index, so a seeded sample does not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.sampling import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # float32 [N], 0 = greedy
+    top_k: torch.Tensor  # int64 [N], vocab size when off
+    top_p: torch.Tensor  # float32 [N]
+    min_p: torch.Tensor  # float32 [N]
+    uniforms: torch.Tensor  # float64 [N] in (0, 1)
+    all_greedy: bool
+    needs_sort: bool
+    needs_min_p: bool
+    num_top_logprobs: int
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], uniforms: list[float], vocab: int, device: torch.device
+    ) -> SamplingBatch:
+        pin = device.type == "cuda"
+        rows = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32, pin_memory=pin
+        )
+        ints = torch.tensor(
+            [p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int64, pin_memory=pin
+        )
+        us = torch.tensor(uniforms, dtype=torch.float64, pin_memory=pin)
+        rows, ints, us = (t.to(device, non_blocking=True) for t in (rows, ints, us))
+        return cls(
+            temperatures=rows[:, 0],
+            top_p=rows[:, 1],
+            min_p=rows[:, 2],
+            top_k=ints,
+            uniforms=us,
+            all_greedy=all(p.greedy for p in params),
+            needs_sort=any(p.needs_sort for p in params),
+            needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
+            num_top_logprobs=max(p.top_logprobs for p in params),
+        )
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # int64 [N]
+    logprobs: torch.Tensor  # float32 [N]
+    top_ids: torch.Tensor | None  # int64 [N, K]
+    top_logprobs: torch.Tensor | None  # float32 [N, K]
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
+    """logits: float32 [N, V]."""
+    greedy = sb.temperatures == 0
+    scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures)
+    logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if not sb.all_greedy:
+        drawn = _draw(logprobs.exp(), sb)
+        tokens = torch.where(greedy, tokens, drawn)
+    top_ids = top_lp = None
+    if sb.num_top_logprobs:
+        top_lp, top_ids = logprobs.topk(sb.num_top_logprobs, dim=-1)
+    return SampleResult(tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top_ids, top_lp)
+
+
+def _draw(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF."""
+    order = None
+    if sb.needs_sort:
+        probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[1], device=probs.device)
+        probs = probs * (rank.unsqueeze(0) < sb.top_k.unsqueeze(1))
+        csum = probs.cumsum(dim=-1)
+        # keep a token while the mass ranked above it is below top_p of the (top-k) total
+        probs = probs * ((csum - probs) < sb.top_p.unsqueeze(1) * csum[:, -1:])
+    if sb.needs_min_p:
+        top = probs[:, :1] if order is not None else probs.max(dim=-1, keepdim=True).values
+        probs = probs * (probs >= sb.min_p.unsqueeze(1) * top)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (sb.uniforms * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
+    return idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)

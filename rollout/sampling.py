@@ -1,0 +1,81 @@
+"""Per-request sampling parameters, validated when they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the completions of one prompt.
+
+    A sampled token's logprob is ``log_softmax(logits / temperature)[token]`` (plain ``log_softmax`` at
+    temperature 0), taken before top-k / top-p / min-p truncation: it is what a trainer recomputes.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, low=1)
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1), got {self.min_p}")
+        _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_int("top_logprobs", self.top_logprobs, low=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise TypeError(
+                f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
+        for t in self.stop_token_ids or ():
+            _check_int("stop_token_ids", t, low=0)
+        object.__setattr__(self, "_stop", stop)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_sort(self) -> bool:
+        """Whether truncation needs the sorted distribution (top-k or top-p)."""
+        return not self.greedy and (self.top_k != -1 or self.top_p < 1.0)
+
+
+def _check_int(name: str, value: object, low: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"SamplingParams.{name} must be >= {low}, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")

@@ -1,0 +1,158 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes.
+
+A step is either a prefill step (chunks of prompts under a token budget, partial prefills first) or a
+decode step (one token for every running sequence). Prefill goes first, so new requests join between
+decode steps. When the pool runs out of pages the newest running sequence is preempted: its pages
+are freed and it waits to be recomputed from its tokens later; it is never dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from rollout.cache.pages import PageManager
+from rollout.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    chunks: list[int]  # tokens each sequence computes this step
+    decode: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pages: PageManager, *, max_running: int, max_prefill_tokens: int):
+        self.pages = pages
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, leader: Sequence, followers: list[Sequence]) -> None:
+        leader.followers = followers
+        self.waiting.append(leader)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule ---------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        while self.has_work():
+            batch = self._prefill_batch() or self._decode_batch()
+            if batch is not None:
+                return batch
+            if not self.running:
+                raise RuntimeError("the KV pool cannot hold a single waiting request; raise max_total_tokens")
+            self._preempt(self.running[-1])
+        return None
+
+    def _prefill_batch(self) -> ScheduledBatch | None:
+        budget, seqs, chunks = self.max_prefill_tokens, [], []
+        for seq in self.running:  # finish prefills already under way first
+            if seq.needs > 1 and budget > 0:
+                chunk = self._grow(seq, min(seq.needs, budget))
+                if chunk:
+                    seqs.append(seq), chunks.append(chunk)
+                    budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            self._attach_cached_prefix(seq)
+            chunk = self._grow(seq, min(seq.needs, budget))
+            if not chunk:
+                self._free(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            seqs.append(seq), chunks.append(chunk)
+            budget -= chunk
+        return ScheduledBatch(seqs, chunks, decode=False) if seqs else None
+
+    def _decode_batch(self) -> ScheduledBatch | None:
+        if any(seq.needs > 1 for seq in self.running):
+            return None  # a prefill is stuck for pages: preempt to make room
+        seqs, i = [], 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self._grow(seq, 1):
+                seqs.append(seq)
+                i += 1
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                break
+        return ScheduledBatch(seqs, [1] * len(seqs), decode=True) if seqs else None
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        if seq.pages:
+            return
+        pages = self.pages.match(seq.token_ids)
+        # keep at least one token to compute (its logits give the next token); drop the whole last page
+        # rather than recompute into a shared page
+        if len(pages) * self.pages.page_size >= seq.num_tokens:
+            self.pages.release(pages[-1:])
+            pages = pages[:-1]
+        seq.pages, seq.num_indexed_pages = pages, len(pages)
+        seq.num_computed = len(pages) * self.pages.page_size
+
+    def _grow(self, seq: Sequence, want: int) -> int:
+        """Give `seq` pages for up to `want` more tokens; returns how many fit."""
+        S = self.pages.page_size
+        room = len(seq.pages) * S - seq.num_computed
+        fit = min(want, room + self.pages.available() * S)
+        extra = -(-(fit - room) // S) if fit > room else 0
+        if extra:
+            seq.pages += self.pages.allocate(extra)
+        return fit
+
+    def _free(self, seq: Sequence) -> None:
+        self.pages.release(seq.pages)
+        seq.pages, seq.num_computed, seq.num_indexed_pages = [], 0, 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- after the model ran ----------------------------------------------------------------------
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Account for the computed chunks; returns the sequences that now sample a token."""
+        ready = []
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            seq.num_computed += chunk
+            seq.num_indexed_pages = self.pages.register(
+                seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
+            )
+            if seq.num_computed == seq.num_tokens:
+                ready.append(seq)
+                if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
+                    self.waiting.extendleft(reversed(seq.followers))
+                    seq.followers = []
+        return ready
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+
+    def abort_all(self) -> list[Sequence]:
+        """Stop every unfinished sequence (their pages are freed); returns them."""
+        aborted = []
+        for seq in [*self.running, *self.waiting]:
+            aborted += [seq, *seq.followers]
+        for seq in aborted:
+            self._free(seq)
+            seq.followers = []
+            seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self.running.clear()
+        self.waiting.clear()
+        return aborted

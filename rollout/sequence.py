@@ -1,0 +1,65 @@
+"""One sample being generated: its tokens, its pages in the KV cache, and how it ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rollout.outputs import FinishReason
+from rollout.sampling import SamplingParams
+
+MASK64 = (1 << 64) - 1
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: int  # index of its prompt in the generate call
+    sample: int  # which of the prompt's n samples
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt: int
+    params: SamplingParams
+    seed: int
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    pages: list[int] = field(default_factory=list)
+    num_indexed_pages: int = 0  # leading pages registered in the prefix cache
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    text: str = ""
+    # the prompt's other samples wait for this one's prefill, then share its cached prompt pages
+    followers: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def needs(self) -> int:
+        """Tokens to compute before the next one can be sampled (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    def uniform(self) -> float:
+        """The random number for sampling the next token: a hash of (seed, output index), so a sample
+        is the same whatever else is in the batch, and after preemption and recompute."""
+        x = (self.seed * 0x9E3779B97F4A7C15 + (self.num_output + 1) * 0xD1B54A32D192ED03) & MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+        x ^= x >> 31
+        return ((x >> 11) + 0.5) / float(1 << 53)
