@@ -27,7 +27,7 @@ class TorchNativeBackend(AttentionBackend):
         batch, kv_slots, mask = meta
         self.kv.store(layer, batch.slot_mapping, k, v)
         k_cache, v_cache = self.kv.flat(layer)
-        B, Q, H = batch.batch_size, batch.max_q_len, self.num_heads
+        Q, H = batch.max_q_len, self.num_heads
         Hkv = k_cache.shape[1]
         # gather each request's context: [B, Hkv, K, D]
         keys = k_cache[kv_slots].transpose(1, 2)
