@@ -1,0 +1,199 @@
+"""GRPO on the rollout engine: a transformers policy and the engine share one process and one device.
+
+Each step: the engine samples n completions per prompt (with logprobs) -> verifiable rewards -> the engine
+releases its memory -> group-normalised advantages, clipped policy loss whose importance ratio uses the
+engine's logprobs, optimizer steps -> staged resume: weights, sync, then KV cache and CUDA graphs.
+With no --model it trains the built-in tiny model (random weights) on a synthetic task, and the mean
+reward climbs from about 0.02 to above 0.5 in a few minutes on a CPU.
+
+    python3 examples/grpo.py                                   # tiny model, on cuda when present
+    python3 examples/grpo.py --model path/to/ckpt --task add --steps 200 --batch 32 --n 8 --wandb
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from integrations.metrics import MetricsLogger, PhaseTimer, device_used_bytes, rollout_metrics, summary
+from integrations.rl import (
+    RolloutBatch,
+    check_groups,
+    clipped_policy_loss,
+    group_advantages,
+    logprob_gap,
+    policy_logprobs,
+    push_weights,
+    refresh_engine,
+    release_engine,
+    rollout_batch,
+)
+from integrations.tasks import TASKS, Task
+from rollout import Engine, SamplingParams
+from rollout.toy import default_model_dir
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = None  # HF checkpoint folder; None: the built-in tiny model
+    task: str = "repeat"
+    steps: int = 40
+    batch: int = 16  # prompts per step
+    n: int = 8  # samples per prompt (the GRPO group)
+    max_new_tokens: int = 8
+    lr: float = 3e-3
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    epochs: int = 1  # passes over each step's rollouts
+    minibatches: int = 2  # optimizer steps per pass; batch * n must split evenly into them
+    seed: int = 0
+    device: str | None = None  # None: cuda when available, else cpu
+    mem_fraction: float = 0.3  # GPU share for the engine's weights + KV cache (the trainer uses the rest)
+    wandb: bool = False
+    wandb_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
+        for name in ("steps", "batch", "max_new_tokens", "epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n < 2:
+            raise ValueError(f"n must be >= 2: GRPO compares the samples of one prompt, got n={self.n}")
+        if (self.batch * self.n) % self.minibatches:
+            raise ValueError(
+                f"batch * n = {self.batch * self.n} samples do not split evenly into "
+                f"minibatches={self.minibatches}"
+            )
+        for name in ("lr", "temperature", "clip_eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def grpo_update(
+    policy: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    rewards: list[float],
+    cfg: Config,
+) -> dict[str, float]:
+    """One GRPO update on a step's rollouts; returns its metrics, the logprob gap included."""
+    check_groups(len(rewards), cfg.n)
+    advantages = group_advantages(torch.tensor(rewards), cfg.n).to(batch.input_ids.device)
+    with torch.no_grad():  # the policy still holds the weights the engine sampled with
+        trainer_lp = policy_logprobs(policy, batch, cfg.temperature)
+    gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, batch.loss_mask)
+    size = len(rewards) // cfg.minibatches
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses, clip_fracs = [], []
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(rewards), generator=gen).to(batch.input_ids.device)
+        for start in range(0, len(rewards), size):
+            rows = order[start : start + size]
+            mb = batch.rows(rows)
+            logprobs = policy_logprobs(policy, mb, cfg.temperature)
+            loss, stats = clipped_policy_loss(
+                logprobs, mb.old_logprobs, advantages[rows], mb.loss_mask, cfg.clip_eps
+            )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            clip_fracs.append(stats.clip_fraction)
+    return {
+        "loss/policy": sum(losses) / len(losses),
+        "loss/clip_fraction": sum(clip_fracs) / len(clip_fracs),
+        "logprob_gap/mean": gap_mean,
+        "logprob_gap/max": gap_max,
+    }
+
+
+def train(cfg: Config) -> list[dict[str, float]]:
+    """Run the loop; returns each step's metrics."""
+    torch.manual_seed(cfg.seed)
+    model_dir = str(cfg.model or default_model_dir())
+    engine = Engine(model_dir, device=cfg.device, seed=cfg.seed, mem_fraction=cfg.mem_fraction)
+    device = engine.device
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)
+    task = Task(cfg.task, seed=cfg.seed)
+    params = SamplingParams(
+        n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
+    )
+    pad_id = engine.tokenizer.pad_token_id or 0
+    logger = MetricsLogger(
+        cfg.steps,
+        use_wandb=cfg.wandb,
+        project="rollout-grpo",
+        config=dataclasses.asdict(cfg),
+        wandb_dir=cfg.wandb_dir,
+        progress=cfg.progress,
+    )
+    with logger:
+        for step in range(cfg.steps):
+            timer = PhaseTimer(device)
+            problems = task.sample(cfg.batch)
+            with timer("generate"):
+                outs = engine.generate([p.prompt for p in problems], params, use_tqdm=False)
+            rewards = [task.reward(p, c.text) for p, req in zip(problems, outs) for c in req.outputs]
+            used = device_used_bytes(device)
+            with timer("release"):
+                release_engine(engine)
+            freed = None if used is None else used - device_used_bytes(device)
+            with timer("train"):
+                batch = rollout_batch(outs, pad_id).to(device)
+                metrics = grpo_update(policy, opt, batch, rewards, cfg)
+            refresh_engine(policy, engine, timer)
+            metrics |= rollout_metrics(rewards, batch.completion_lens.tolist(), timer.seconds["generate"])
+            metrics |= timer.metrics()
+            if freed is not None:
+                metrics["memory/released_gb"] = freed / 1e9
+            logger.log(step, metrics)
+        if logger.run_dir:
+            print(f"wandb run written to {logger.run_dir}")
+    return logger.history
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    d = Config()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in tiny model)")
+    ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
+    ap.add_argument("--n", type=int, default=d.n, help="samples per prompt (>= 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
+    ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    ap.add_argument("--mem-fraction", type=float, default=d.mem_fraction, help="engine's share of the GPU")
+    ap.add_argument("--wandb", action="store_true", help="log to wandb (works with WANDB_MODE=offline)")
+    ap.add_argument("--wandb-dir", default=None, help="folder for wandb's files (default: ./wandb)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    return Config(**vars(ap.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_args(argv)
+    t0 = time.perf_counter()
+    history = train(cfg)
+    print(f"{summary(history)} in {time.perf_counter() - t0:.0f}s")
+    return history
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""PPO on the rollout engine: a transformers policy with a value head, the engine in the same process.
+
+Each step: the engine samples completions (with logprobs) -> verifiable rewards on each sample's last
+token -> the engine releases its memory -> values from the critic, GAE advantages and returns, clipped
+policy loss whose importance ratio uses the engine's logprobs plus a clipped value loss -> staged
+resume: weights, sync, then KV cache and CUDA graphs. The critic is a linear head on the policy's last
+hidden states (shared trunk); it stays on the trainer side, only the policy's weights go to the engine.
+
+    python3 examples/ppo.py                                    # tiny model, on cuda when present
+    python3 examples/ppo.py --model path/to/ckpt --task add --steps 200 --batch 64 --n 2 --wandb
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from integrations.metrics import MetricsLogger, PhaseTimer, device_used_bytes, rollout_metrics, summary
+from integrations.rl import (
+    RolloutBatch,
+    ValueHead,
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    logprob_gap,
+    masked_whiten,
+    policy_logprobs_and_values,
+    push_weights,
+    refresh_engine,
+    release_engine,
+    rollout_batch,
+    terminal_rewards,
+)
+from integrations.tasks import TASKS, Task
+from rollout import Engine, SamplingParams
+from rollout.toy import default_model_dir
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str | None = None  # HF checkpoint folder; None: the built-in tiny model
+    task: str = "repeat"
+    steps: int = 40
+    batch: int = 32  # prompts per step
+    n: int = 4  # samples per prompt (PPO needs no groups: 1 is fine)
+    max_new_tokens: int = 8
+    lr: float = 1e-3
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    value_clip: float = 0.2
+    vf_coef: float = 0.5
+    gamma: float = 1.0
+    lam: float = 0.95
+    epochs: int = 1  # passes over each step's rollouts
+    minibatches: int = 2  # optimizer steps per pass; batch * n must split evenly into them
+    seed: int = 0
+    device: str | None = None  # None: cuda when available, else cpu
+    mem_fraction: float = 0.3  # GPU share for the engine's weights + KV cache (the trainer uses the rest)
+    wandb: bool = False
+    wandb_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
+        for name in ("steps", "batch", "n", "max_new_tokens", "epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.batch * self.n) % self.minibatches:
+            raise ValueError(
+                f"batch * n = {self.batch * self.n} samples do not split evenly into "
+                f"minibatches={self.minibatches}"
+            )
+        for name in ("lr", "temperature", "clip_eps", "value_clip"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+
+def ppo_update(
+    policy: torch.nn.Module,
+    critic: ValueHead,
+    opt: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    scores: list[float],
+    cfg: Config,
+) -> dict[str, float]:
+    """One PPO update on a step's rollouts; returns its metrics, the logprob gap included."""
+    mask = batch.loss_mask
+    with torch.no_grad():  # the policy still holds the weights the engine sampled with
+        trainer_lp, old_values = policy_logprobs_and_values(policy, critic, batch, cfg.temperature)
+    gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, mask)
+    rewards = terminal_rewards(torch.tensor(scores), mask)
+    advantages, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
+    advantages = masked_whiten(advantages, mask)
+    size = len(scores) // cfg.minibatches
+    gen = torch.Generator().manual_seed(cfg.seed)
+    params = [*policy.parameters(), *critic.parameters()]
+    pg_losses, vf_losses, clip_fracs = [], [], []
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(scores), generator=gen).to(mask.device)
+        for start in range(0, len(scores), size):
+            rows = order[start : start + size]
+            mb = batch.rows(rows)
+            logprobs, values = policy_logprobs_and_values(policy, critic, mb, cfg.temperature)
+            pg, stats = clipped_policy_loss(
+                logprobs, mb.old_logprobs, advantages[rows], mb.loss_mask, cfg.clip_eps
+            )
+            vf = clipped_value_loss(values, old_values[rows], returns[rows], mb.loss_mask, cfg.value_clip)
+            opt.zero_grad(set_to_none=True)
+            (pg + cfg.vf_coef * vf).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            pg_losses.append(pg.item())
+            vf_losses.append(vf.item())
+            clip_fracs.append(stats.clip_fraction)
+    return {
+        "loss/policy": sum(pg_losses) / len(pg_losses),
+        "loss/value": sum(vf_losses) / len(vf_losses),
+        "loss/clip_fraction": sum(clip_fracs) / len(clip_fracs),
+        "value/mean": (old_values * mask).sum().item() / mask.sum().item(),
+        "logprob_gap/mean": gap_mean,
+        "logprob_gap/max": gap_max,
+    }
+
+
+def train(cfg: Config) -> list[dict[str, float]]:
+    """Run the loop; returns each step's metrics."""
+    torch.manual_seed(cfg.seed)
+    model_dir = str(cfg.model or default_model_dir())
+    engine = Engine(model_dir, device=cfg.device, seed=cfg.seed, mem_fraction=cfg.mem_fraction)
+    device = engine.device
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    critic = ValueHead(policy.config.hidden_size).to(device)
+    opt = torch.optim.AdamW([*policy.parameters(), *critic.parameters()], lr=cfg.lr, weight_decay=0.0)
+    push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)
+    task = Task(cfg.task, seed=cfg.seed)
+    params = SamplingParams(
+        n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
+    )
+    pad_id = engine.tokenizer.pad_token_id or 0
+    logger = MetricsLogger(
+        cfg.steps,
+        use_wandb=cfg.wandb,
+        project="rollout-ppo",
+        config=dataclasses.asdict(cfg),
+        wandb_dir=cfg.wandb_dir,
+        progress=cfg.progress,
+    )
+    with logger:
+        for step in range(cfg.steps):
+            timer = PhaseTimer(device)
+            problems = task.sample(cfg.batch)
+            with timer("generate"):
+                outs = engine.generate([p.prompt for p in problems], params, use_tqdm=False)
+            scores = [task.reward(p, c.text) for p, req in zip(problems, outs) for c in req.outputs]
+            used = device_used_bytes(device)
+            with timer("release"):
+                release_engine(engine)
+            freed = None if used is None else used - device_used_bytes(device)
+            with timer("train"):
+                batch = rollout_batch(outs, pad_id).to(device)
+                metrics = ppo_update(policy, critic, opt, batch, scores, cfg)
+            refresh_engine(policy, engine, timer)
+            metrics |= rollout_metrics(scores, batch.completion_lens.tolist(), timer.seconds["generate"])
+            metrics |= timer.metrics()
+            if freed is not None:
+                metrics["memory/released_gb"] = freed / 1e9
+            logger.log(step, metrics)
+        if logger.run_dir:
+            print(f"wandb run written to {logger.run_dir}")
+    return logger.history
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    d = Config()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in tiny model)")
+    ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
+    ap.add_argument("--n", type=int, default=d.n, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    ap.add_argument("--value-clip", type=float, default=d.value_clip)
+    ap.add_argument("--vf-coef", type=float, default=d.vf_coef)
+    ap.add_argument("--gamma", type=float, default=d.gamma)
+    ap.add_argument("--lam", type=float, default=d.lam)
+    ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
+    ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    ap.add_argument("--mem-fraction", type=float, default=d.mem_fraction, help="engine's share of the GPU")
+    ap.add_argument("--wandb", action="store_true", help="log to wandb (works with WANDB_MODE=offline)")
+    ap.add_argument("--wandb-dir", default=None, help="folder for wandb's files (default: ./wandb)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    return Config(**vars(ap.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_args(argv)
+    t0 = time.perf_counter()
+    history = train(cfg)
+    print(f"{summary(history)} in {time.perf_counter() - t0:.0f}s")
+    return history
+
+
+if __name__ == "__main__":
+    main()
