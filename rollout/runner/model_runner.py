@@ -1,4 +1,9 @@
-"""Turns a scheduled batch into tensors, runs the model and samples: the device side of a step."""
+"""Turns a scheduled batch into tensors, runs the model and samples: the device side of a step.
+
+Host work per step is numpy over the batch (no per-request tensor work): the page table comes from a
+mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
+non-blocking copy. Decode steps that fit a captured CUDA graph write straight into its static buffers.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.models.llama import ForwardContext
+from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
 from rollout.scheduler import ScheduledBatch
 
@@ -18,8 +24,27 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttnBatch
-    logit_rows: torch.Tensor  # int64 [N]: rows of the hidden states whose next token is sampled
+    logit_rows: torch.Tensor | slice  # rows of the hidden states whose next token is sampled
     sampling: SamplingBatch | None
+    graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
+
+
+@dataclass
+class HostBatch:
+    """One step's integers on the host (numpy), before they go to the device."""
+
+    decode: bool
+    ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int64 [B]
+    q_lens: list[int]
+    page_table: np.ndarray  # int32 [B, max_pages]
+    sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
 
 
 @dataclass
@@ -33,50 +58,46 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, backend: AttentionBackend, vocab_size: int, device: torch.device
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        max_model_len: int = 4096,
+        max_running: int = 256,
     ):
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.page_size = backend.kv.page_size
         self._pin = device.type == "cuda"
+        self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
+        self.graphs = None  # a GraphRunner (graphs.py) once decode graphs are captured
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+    # -- host side --------------------------------------------------------------------------------
+    def host_batch(self, batch: ScheduledBatch) -> HostBatch:
+        seqs, S = batch.seqs, self.page_size
+        B = len(seqs)
+        rows = self.page_table.rows(seqs)
+        starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=B)
+        if batch.decode:
+            ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=B)
+            positions, seq_lens = starts, starts + 1
+            sampled = np.arange(B)
+        else:
+            chunks = np.asarray(batch.chunks, dtype=np.int64)
+            seq_lens = starts + chunks
+            ids = np.concatenate([s.token_ids[a : a + c] for s, a, c in zip(seqs, starts, chunks)])
+            positions = np.arange(len(ids)) - np.repeat(np.cumsum(chunks) - chunks - starts, chunks)
+            totals = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
+            sampled = np.flatnonzero(seq_lens == totals)
+        table = self.page_table.gather(rows, int(-(-seq_lens.max() // S)))
+        owner = np.repeat(np.arange(B), batch.chunks) if not batch.decode else np.arange(B)
+        slots = table[owner, positions // S].astype(np.int64) * S + positions % S
+        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        S = self.page_size
-        starts = np.fromiter((s.num_computed for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-        chunks = np.asarray(batch.chunks, dtype=np.int64)
-        seq_lens = starts + chunks
-        if batch.decode:
-            ids = np.fromiter((s.token_ids[-1] for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-            positions = starts
-        else:
-            ids = np.concatenate([s.token_ids[a : a + c] for s, a, c in zip(batch.seqs, starts, chunks)])
-            positions = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, chunks)])
-        max_pages = int((seq_lens.max() + S - 1) // S)
-        table = np.zeros((len(batch.seqs), max_pages), dtype=np.int32)
-        for row, seq in zip(table, batch.seqs):
-            row[: len(seq.pages)] = seq.pages[:max_pages]
-        owner = np.repeat(np.arange(len(batch.seqs)), chunks)
-        slots = table[owner, positions // S].astype(np.int64) * S + positions % S
-        cu = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
-        np.cumsum(chunks, out=cu[1:])
-        sampled = [i for i, s in enumerate(batch.seqs) if s.num_computed + batch.chunks[i] == s.num_tokens]
-        attn = AttnBatch(
-            decode=batch.decode,
-            q_lens=batch.chunks,
-            seq_lens_cpu=seq_lens.tolist(),
-            page_table=self._to_device(table),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            cu_seqlens_q=self._to_device(cu),
-            slot_mapping=self._to_device(slots),
-            max_q_len=int(chunks.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        seqs = [batch.seqs[i] for i in sampled]
+        host = self.host_batch(batch)
+        seqs = [batch.seqs[i] for i in host.sampled]
         sampling = (
             SamplingBatch.build(
                 [s.params for s in seqs], [s.uniform() for s in seqs], self.vocab_size, self.device
@@ -84,19 +105,60 @@ class ModelRunner:
             if seqs
             else None
         )
-        return StepInputs(
-            self._to_device(ids),
-            self._to_device(positions),
-            attn,
-            self._to_device(cu[1:][sampled].astype(np.int64) - 1),
-            sampling,
-        )
+        if host.decode and self.graphs is not None and self.graphs.fits(host.batch_size):
+            return self.graphs.load(host, sampling)
+        return self._device_inputs(host, sampling)
 
+    def _device_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
+        B = host.batch_size
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(host.q_lens, out=cu[1:])
+        # one copy for the int64 fields, one for the int32 ones
+        ids, positions, slots, rows = self._upload(
+            [host.ids, host.positions, host.slots, cu[1:][host.sampled] - 1], np.int64
+        )
+        page_table, seq_lens, cu_seqlens = self._upload([host.page_table, host.seq_lens, cu], np.int32)
+        attn = AttnBatch(
+            decode=host.decode,
+            q_lens=host.q_lens,
+            seq_lens_cpu=host.seq_lens.tolist(),
+            page_table=page_table,
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens,
+            slot_mapping=slots,
+            max_q_len=max(host.q_lens),
+            max_seq_len=int(host.seq_lens.max()),
+            page_table_cpu=host.page_table,
+        )
+        # decode samples every row: a slice avoids a gather
+        return StepInputs(ids, positions, attn, slice(0, B) if host.decode else rows, sampling)
+
+    def _upload(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
+        """Device copies of `arrays` (as `dtype`) made by one host-to-device copy; each starts 16-byte
+        aligned (kernels specialise on pointer alignment)."""
+        align = 16 // np.dtype(dtype).itemsize
+        starts, end = [], 0
+        for a in arrays:
+            starts.append(end)
+            end += -(-a.size // align) * align
+        buf = np.zeros(max(end, 1), dtype=dtype)
+        for a, start in zip(arrays, starts):
+            buf[start : start + a.size] = a.ravel()
+        t = torch.from_numpy(buf)
+        if self._pin:
+            t = t.pin_memory()  # the caching host allocator keeps the block until the copy is done
+        dev = t.to(self.device, non_blocking=True)
+        return [dev[start : start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
+
+    # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that sample."""
-        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if inputs.graph_bs is not None:
+            hidden = self.graphs.replay(inputs)
+        else:
+            ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.logits(hidden[inputs.logit_rows])
 
     @torch.inference_mode()

@@ -1,0 +1,135 @@
+"""Attention with flashinfer's paged kernels: a decode wrapper and a prefill (append) wrapper, planned
+once per step from the host page table and run by every layer.
+
+flashinfer reads pages through CSR arrays (indptr, indices, last_page_len) rather than a padded page
+table; they are built with numpy from AttnBatch.page_table_cpu. Decode steps captured in CUDA graphs
+use one wrapper per batch size whose arrays live in fixed buffers; `begin_graph` re-plans it into them
+before each replay (flashinfer's plan is host work plus copies into those buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flashinfer
+import numpy as np
+import torch
+
+from rollout.attention.base import AttentionBackend, AttnBatch
+from rollout.cache.pool import KVPool
+
+WORKSPACE_BYTES = 128 << 20  # split-KV partial results; shared by every wrapper (one runs at a time)
+INT_WORKSPACE_BYTES = 8 << 20  # plan arrays of the graph wrappers (shared, re-planned before each replay)
+
+
+@dataclass
+class _Meta:
+    wrapper: Any
+    slot_mapping: torch.Tensor
+
+
+class FlashInferBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, kv: KVPool, num_heads: int, head_dim: int, sm_scale: float):
+        super().__init__(kv, num_heads, head_dim, sm_scale)
+        if kv.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='flashinfer' needs float16 or bfloat16, got {kv.dtype}")
+        self.device = torch.device(kv.device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # flashinfer's CUDA-core decode kernel handles query-group sizes 1-4 and 8 only, and the
+        # tensor-core (prefill) kernel is faster for large groups anyway
+        self.tensor_cores = num_heads // kv.num_kv_heads > 4
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_int_workspace: torch.Tensor | None = None
+
+    # -- planning ---------------------------------------------------------------------------------
+    def begin(self, batch: AttnBatch) -> _Meta:
+        indptr, indices, last = self._csr(batch)
+        if batch.decode:
+            self._plan_decode(self.decode_wrapper, indptr, indices, last)
+            return _Meta(self.decode_wrapper, batch.slot_mapping)
+        qo_indptr = np.zeros(batch.batch_size + 1, dtype=np.int32)
+        np.cumsum(batch.q_lens, out=qo_indptr[1:])
+        self.prefill_wrapper.plan(
+            torch.from_numpy(qo_indptr),
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.kv.num_kv_heads,
+            self.head_dim,
+            self.kv.page_size,
+            causal=True,  # bottom-right aligned: new token j of a request sees its prefix and j's past
+            sm_scale=self.sm_scale,
+            q_data_type=self.kv.dtype,
+            kv_data_type=self.kv.dtype,
+        )
+        return _Meta(self.prefill_wrapper, batch.slot_mapping)
+
+    def begin_graph(self, batch: AttnBatch) -> _Meta:
+        bs = batch.batch_size
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self._graph_wrappers[bs] = self._make_graph_wrapper(bs, batch.page_table.shape[1])
+        self._plan_decode(wrapper, *self._csr(batch))
+        return _Meta(wrapper, batch.slot_mapping)
+
+    def _make_graph_wrapper(self, bs: int, max_pages: int) -> Any:
+        dev = self.device
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buffer=torch.zeros(bs * max_pages, dtype=torch.int32, device=dev),
+            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
+        )
+        if self._graph_int_workspace is None:
+            self._graph_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        wrapper.reset_workspace_buffer(self.workspace, self._graph_int_workspace)
+        return wrapper
+
+    def _plan_decode(self, wrapper: Any, indptr, indices, last) -> None:
+        wrapper.plan(
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.kv.num_kv_heads,
+            self.head_dim,
+            self.kv.page_size,
+            sm_scale=self.sm_scale,
+            q_data_type=self.kv.dtype,
+            kv_data_type=self.kv.dtype,
+        )
+
+    def _csr(self, batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """indptr (host), indices (device), last_page_len (host), all int32, from the host page table."""
+        if batch.page_table_cpu is None:
+            raise ValueError("the flashinfer backend needs AttnBatch.page_table_cpu (the host page table)")
+        S = self.kv.page_size
+        # seq_len 0 marks a CUDA-graph padding row: give it one token of its page (the scratch page)
+        lens = np.maximum(np.asarray(batch.seq_lens_cpu, dtype=np.int32), 1)
+        num_pages = (lens + S - 1) // S
+        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+        np.cumsum(num_pages, out=indptr[1:])
+        table = batch.page_table_cpu
+        indices = table[np.arange(table.shape[1]) < num_pages[:, None]]  # row-major: request order
+        last = (lens - (num_pages - 1) * S).astype(np.int32)
+        indices_t = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int32))
+        if self.device.type == "cuda":
+            indices_t = indices_t.pin_memory().to(self.device, non_blocking=True)
+        return torch.from_numpy(indptr), indices_t, torch.from_numpy(last)
+
+    # -- per layer --------------------------------------------------------------------------------
+    def forward(self, q, k, v, layer, meta: _Meta):
+        # q: [T, Hq, D], k/v: [T, Hkv, D]
+        self.kv.store(layer, meta.slot_mapping, k, v)
+        return meta.wrapper.run(q.contiguous(), self.kv.layer(layer))
