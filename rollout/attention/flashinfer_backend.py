@@ -44,7 +44,11 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # fa2 rather than "auto" (fa3 on Hopper): the tensor-core decode path JIT-compiles the same fa2
+        # module, so one build serves both; attention is a few percent of a prefill step's FLOPs here
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_int_workspace: torch.Tensor | None = None
 
@@ -114,16 +118,8 @@ class FlashInferBackend(AttentionBackend):
         """indptr (host), indices (device), last_page_len (host), all int32, from the host page table."""
         if batch.page_table_cpu is None:
             raise ValueError("the flashinfer backend needs AttnBatch.page_table_cpu (the host page table)")
-        S = self.kv.page_size
-        # seq_len 0 marks a CUDA-graph padding row: give it one token of its page (the scratch page)
-        lens = np.maximum(np.asarray(batch.seq_lens_cpu, dtype=np.int32), 1)
-        num_pages = (lens + S - 1) // S
-        indptr = np.zeros(len(lens) + 1, dtype=np.int32)
-        np.cumsum(num_pages, out=indptr[1:])
-        table = batch.page_table_cpu
-        indices = table[np.arange(table.shape[1]) < num_pages[:, None]]  # row-major: request order
-        last = (lens - (num_pages - 1) * S).astype(np.int32)
-        indices_t = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int32))
+        indptr, indices, last = paged_csr(batch.seq_lens_cpu, batch.page_table_cpu, self.kv.page_size)
+        indices_t = torch.from_numpy(indices)
         if self.device.type == "cuda":
             indices_t = indices_t.pin_memory().to(self.device, non_blocking=True)
         return torch.from_numpy(indptr), indices_t, torch.from_numpy(last)
@@ -133,3 +129,18 @@ class FlashInferBackend(AttentionBackend):
         # q: [T, Hq, D], k/v: [T, Hkv, D]
         self.kv.store(layer, meta.slot_mapping, k, v)
         return meta.wrapper.run(q.contiguous(), self.kv.layer(layer))
+
+
+def paged_csr(
+    seq_lens: list[int] | np.ndarray, table: np.ndarray, page_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """flashinfer's paged-KV arrays from a padded page table: indptr [B + 1], indices [sum of pages]
+    and last_page_len [B] (int32). A row with seq_len 0 (CUDA-graph padding) gets one token of the
+    page in its column 0 (the scratch page), since flashinfer wants 1 <= last_page_len."""
+    lens = np.maximum(np.asarray(seq_lens, dtype=np.int32), 1)
+    num_pages = (lens + page_size - 1) // page_size
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(num_pages, out=indptr[1:])
+    indices = table[np.arange(table.shape[1]) < num_pages[:, None]]  # row-major: request order
+    last = (lens - (num_pages - 1) * page_size).astype(np.int32)
+    return indptr, np.ascontiguousarray(indices, dtype=np.int32), last

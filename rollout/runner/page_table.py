@@ -41,7 +41,7 @@ class HostPageTable:
             if row is None:
                 row = self._assign(seq)
             if row.pages is not pages or len(pages) < row.synced:
-                row.pages, row.synced = pages, 0
+                row.seq, row.pages, row.synced = seq, pages, 0
             n = len(pages)
             if n != row.synced:
                 if n > self.table.shape[1]:
