@@ -75,7 +75,7 @@ class Scheduler:
         return ScheduledBatch(seqs, chunks, decode=False) if seqs else None
 
     def _decode_batch(self) -> ScheduledBatch | None:
-        if any(seq.needs > 1 for seq in self.running):
+        if any(len(seq.token_ids) - seq.num_computed > 1 for seq in self.running):
             return None  # a prefill is stuck for pages: preempt to make room
         seqs, i = [], 0
         while i < len(self.running):
@@ -106,6 +106,8 @@ class Scheduler:
         """Give `seq` pages for up to `want` more tokens; returns how many fit."""
         S = self.pages.page_size
         room = len(seq.pages) * S - seq.num_computed
+        if want <= room:  # the common decode case: the last page has room
+            return want
         fit = min(want, room + self.pages.available() * S)
         extra = -(-(fit - room) // S) if fit > room else 0
         if extra:
@@ -126,13 +128,14 @@ class Scheduler:
     # -- after the model ran ----------------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Account for the computed chunks; returns the sequences that now sample a token."""
-        ready = []
+        ready, S = [], self.pages.page_size
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_computed += chunk
-            seq.num_indexed_pages = self.pages.register(
-                seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
-            )
-            if seq.num_computed == seq.num_tokens:
+            if seq.num_computed // S > seq.num_indexed_pages:  # a page was filled: index it
+                seq.num_indexed_pages = self.pages.register(
+                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
+                )
+            if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)
                 if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
                     self.waiting.extendleft(reversed(seq.followers))

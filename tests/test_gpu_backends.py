@@ -107,6 +107,33 @@ def test_host_batch_matches_a_direct_construction(qwen3_dir):
     assert host.slots.tolist() == [decode[0].pages[2] * 4, decode[1].pages[3] * 4]
 
 
+# -- host-side batching helpers -------------------------------------------------------------------------
+def test_batched_uniforms_equal_the_per_sequence_ones():
+    from rollout.sequence import uniforms
+
+    rng = np.random.default_rng(0)
+    seeds = [0, -1, 2**64 - 1, -(10**30), 10**30, *rng.integers(0, 2**63, 50).tolist()]
+    seqs = [Sequence(i, i, 0, [1] * (3 + i), 3, SamplingParams(), seed) for i, seed in enumerate(seeds)]
+    assert uniforms(seqs).tolist() == [s.uniform() for s in seqs]
+
+
+def test_packed_upload_keeps_dtypes_shapes_and_alignment():
+    from rollout.runner.transfer import to_device
+
+    arrays = [
+        np.arange(5, dtype=np.int64),
+        np.arange(6, dtype=np.int32).reshape(2, 3),
+        np.array([0.1, 0.2], dtype=np.float32),
+        np.array([0.3], dtype=np.float64),
+        np.zeros(0, dtype=np.int32),
+    ]
+    out = to_device(arrays, torch.device("cpu"))
+    for a, t in zip(arrays, out):
+        assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
+        assert t.numpy().tolist() == a.tolist()
+        assert a.size == 0 or t.data_ptr() % 16 == 0
+
+
 # -- flashinfer's CSR arrays (pure numpy; a stand-in module replaces a missing flashinfer) ---------------
 @pytest.fixture
 def flashinfer_backend_module(monkeypatch):

@@ -20,7 +20,7 @@ class TritonBackend(AttentionBackend):
         super().__init__(kv, num_heads, head_dim, sm_scale)
         dev = torch.device(kv.device)
         on_gpu = dev.type == "cuda"
-        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 8
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 1
 
     def num_kv_splits(self, batch_size: int) -> int:
         """Split each request's KV so that about four blocks per SM are busy; a large batch needs none.

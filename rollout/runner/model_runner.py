@@ -2,7 +2,8 @@
 
 Host work per step is numpy over the batch (no per-request tensor work): the page table comes from a
 mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
-non-blocking copy. Decode steps that fit a captured CUDA graph write straight into its static buffers.
+non-blocking copy (transfer.py). Decode steps that fit a captured CUDA graph write straight into its
+static buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.models.llama import ForwardContext
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
+from rollout.runner.transfer import to_device
 from rollout.scheduler import ScheduledBatch
+from rollout.sequence import uniforms
 
 
 @dataclass
@@ -69,7 +72,6 @@ class ModelRunner:
     ):
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.page_size = backend.kv.page_size
-        self._pin = device.type == "cuda"
         self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
         self.graphs = None  # a GraphRunner (graphs.py) once decode graphs are captured
 
@@ -97,11 +99,9 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         host = self.host_batch(batch)
-        seqs = [batch.seqs[i] for i in host.sampled]
+        seqs = batch.seqs if host.decode else [batch.seqs[i] for i in host.sampled.tolist()]
         sampling = (
-            SamplingBatch.build(
-                [s.params for s in seqs], [s.uniform() for s in seqs], self.vocab_size, self.device
-            )
+            SamplingBatch.build([s.params for s in seqs], uniforms(seqs), self.vocab_size, self.device)
             if seqs
             else None
         )
@@ -111,13 +111,20 @@ class ModelRunner:
 
     def _device_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
         B = host.batch_size
-        cu = np.zeros(B + 1, dtype=np.int64)
+        cu = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(host.q_lens, out=cu[1:])
-        # one copy for the int64 fields, one for the int32 ones
-        ids, positions, slots, rows = self._upload(
-            [host.ids, host.positions, host.slots, cu[1:][host.sampled] - 1], np.int64
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens = to_device(
+            [
+                host.ids,
+                host.positions,
+                host.slots,
+                cu[1:][host.sampled].astype(np.int64) - 1,
+                host.page_table,
+                host.seq_lens.astype(np.int32),
+                cu,
+            ],
+            self.device,
         )
-        page_table, seq_lens, cu_seqlens = self._upload([host.page_table, host.seq_lens, cu], np.int32)
         attn = AttnBatch(
             decode=host.decode,
             q_lens=host.q_lens,
@@ -132,23 +139,6 @@ class ModelRunner:
         )
         # decode samples every row: a slice avoids a gather
         return StepInputs(ids, positions, attn, slice(0, B) if host.decode else rows, sampling)
-
-    def _upload(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
-        """Device copies of `arrays` (as `dtype`) made by one host-to-device copy; each starts 16-byte
-        aligned (kernels specialise on pointer alignment)."""
-        align = 16 // np.dtype(dtype).itemsize
-        starts, end = [], 0
-        for a in arrays:
-            starts.append(end)
-            end += -(-a.size // align) * align
-        buf = np.zeros(max(end, 1), dtype=dtype)
-        for a, start in zip(arrays, starts):
-            buf[start : start + a.size] = a.ravel()
-        t = torch.from_numpy(buf)
-        if self._pin:
-            t = t.pin_memory()  # the caching host allocator keeps the block until the copy is done
-        dev = t.to(self.device, non_blocking=True)
-        return [dev[start : start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
 
     # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
