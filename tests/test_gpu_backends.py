@@ -34,7 +34,11 @@ HAS_TRITON_KERNELS = importlib.util.find_spec("triton") is not None and (
     importlib.util.find_spec("rollout.attention.triton_kernels") is not None
 )
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON_KERNELS, reason="needs triton and triton_kernels.py")
+# CPU tests of the Triton backend run its kernels in the interpreter, which is only on without CUDA
+needs_interpreter = pytest.mark.skipif(
+    not HAS_TRITON_KERNELS or torch.cuda.is_available(),
+    reason="needs triton and triton_kernels.py, and no CUDA (the GPU tests cover the kernels there)",
+)
 
 
 def make_seq(seq_id: int, tokens: list[int], pages: list[int], computed: int, status=Status.RUNNING):
@@ -82,7 +86,7 @@ def test_host_page_table_follows_growth_replacement_and_reuse():
 
 
 def test_host_batch_matches_a_direct_construction(qwen3_dir):
-    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=512)
+    engine = Engine(qwen3_dir, device="cpu", page_size=4, max_total_tokens=512)
     rng = np.random.default_rng(0)
     seqs, chunks = [], []
     for i, (length, done) in enumerate([(9, 0), (13, 8), (4, 0), (30, 29)]):
@@ -160,7 +164,7 @@ def test_paged_csr_for_flashinfer(flashinfer_backend_module):
 def triton_engine(path: str, **options) -> Engine:
     from rollout.attention.triton_backend import TritonBackend
 
-    engine = Engine(path, page_size=4, max_total_tokens=512, **options)
+    engine = Engine(path, device="cpu", page_size=4, max_total_tokens=512, **options)
     torch_backend = engine.runner.backend
     engine.runner.backend = TritonBackend(
         engine.kv, torch_backend.num_heads, torch_backend.head_dim, torch_backend.sm_scale
@@ -168,11 +172,11 @@ def triton_engine(path: str, **options) -> Engine:
     return engine
 
 
-@needs_triton
+@needs_interpreter
 def test_triton_backend_matches_torch_backend_on_cpu(checkpoints):
     prompts = [list(range(5, 14)), [3, 4]]  # 9 tokens cross two page boundaries (page_size 4)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=True)
-    ref = Engine(checkpoints["qwen2"], page_size=4, max_total_tokens=512)
+    ref = Engine(checkpoints["qwen2"], device="cpu", page_size=4, max_total_tokens=512)
     ref_out = ref.generate(input_ids=prompts, sampling_params=params)
     out = triton_engine(checkpoints["qwen2"]).generate(input_ids=prompts, sampling_params=params)
     for a, b in zip(ref_out, out):
@@ -181,7 +185,7 @@ def test_triton_backend_matches_torch_backend_on_cpu(checkpoints):
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
 
 
-@needs_triton
+@needs_interpreter
 def test_graph_padding_rows_touch_only_the_scratch_page(qwen3_dir):
     engine = triton_engine(qwen3_dir)
     runner, kv = engine.runner, engine.kv
