@@ -51,6 +51,7 @@ class FlashInferBackend(AttentionBackend):
         )
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_int_workspace: torch.Tensor | None = None
+        self._plan_events: dict[int, Any] = {}  # id(wrapper) -> event recorded after its last plan
 
     # -- planning ---------------------------------------------------------------------------------
     def begin(self, batch: AttnBatch) -> _Meta:
@@ -60,6 +61,7 @@ class FlashInferBackend(AttentionBackend):
             return _Meta(self.decode_wrapper, batch.slot_mapping)
         qo_indptr = np.zeros(batch.batch_size + 1, dtype=np.int32)
         np.cumsum(batch.q_lens, out=qo_indptr[1:])
+        self._wait_for_last_plan(self.prefill_wrapper)
         self.prefill_wrapper.plan(
             torch.from_numpy(qo_indptr),
             indptr,
@@ -74,6 +76,7 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.kv.dtype,
             kv_data_type=self.kv.dtype,
         )
+        self._mark_plan(self.prefill_wrapper)
         return _Meta(self.prefill_wrapper, batch.slot_mapping)
 
     def begin_graph(self, batch: AttnBatch) -> _Meta:
@@ -101,6 +104,7 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _plan_decode(self, wrapper: Any, indptr, indices, last) -> None:
+        self._wait_for_last_plan(wrapper)
         wrapper.plan(
             indptr,
             indices,
@@ -113,6 +117,20 @@ class FlashInferBackend(AttentionBackend):
             q_data_type=self.kv.dtype,
             kv_data_type=self.kv.dtype,
         )
+        self._mark_plan(wrapper)
+
+    # plan() writes its arrays into the wrapper's pinned host buffer and queues a copy to the device. A
+    # step that samples nothing (a partial prefill) does not wait for the device, so the next plan could
+    # overwrite that buffer before the queued copy ran: an event recorded after each plan guards it.
+    def _wait_for_last_plan(self, wrapper: Any) -> None:
+        event = self._plan_events.get(id(wrapper))
+        if event is not None:
+            event.synchronize()
+
+    def _mark_plan(self, wrapper: Any) -> None:
+        if self.device.type == "cuda":
+            event = self._plan_events[id(wrapper)] = torch.cuda.Event()
+            event.record()
 
     def _csr(self, batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """indptr (host), indices (device), last_page_len (host), all int32, from the host page table."""
