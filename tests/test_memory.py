@@ -176,6 +176,97 @@ def test_expandable_segments_detection():
     assert not expandable_segments_requested({})
 
 
+# -- CPU stand-ins for the GPU paths -----------------------------------------------------------------
+class FakeSaver(MemorySaver):
+    """An enabled saver whose pause/resume move a fake free-memory counter (read by mem_get_info)."""
+
+    enabled = True
+
+    def __init__(self):
+        self.free, self.calls = 1 << 30, []
+        self.sizes = {"weights": 300, "kv_cache": 5000, "cuda_graph": 70}
+
+    def pause(self, tag):
+        super().pause(tag)
+        self.calls.append(("pause", tag))
+        self.free += self.sizes[tag]
+
+    def resume(self, tag):
+        super().resume(tag)
+        self.calls.append(("resume", tag))
+        self.free -= self.sizes[tag]
+
+
+def test_enabled_saver_path(engine, reference, monkeypatch):
+    saver = engine.memory_saver = FakeSaver()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (saver.free, 1 << 40))
+    engine.release_memory_occupation(tags=["cuda_graph", "weights", "kv_cache"], keep_weights_backup=True)
+    assert saver.calls == [("pause", "weights"), ("pause", "kv_cache"), ("pause", "cuda_graph")]
+    assert engine._memory.paused_bytes == saver.sizes
+    assert engine.kv.data is not None  # paused in place: the tensor (and its address) stays
+    saver.calls.clear()
+    engine.resume_memory_occupation(tags=["cuda_graph"])
+    saver.free = 400  # room for the weights only: resuming the KV cache must raise, not crash
+    with pytest.raises(RuntimeError, match="kv_cache needs"):
+        engine.resume_memory_occupation()
+    assert engine.released_tags == {"kv_cache"}  # weights came back first, then the KV check failed
+    saver.free = 1 << 30
+    engine.resume_memory_occupation()
+    assert saver.calls == [("resume", "cuda_graph"), ("resume", "weights"), ("resume", "kv_cache")]
+    assert greedy(engine) == reference
+
+
+def test_cuda_saver_glue_turns_expandable_segments_off_while_allocating(monkeypatch):
+    """CudaMemorySaver against a stand-in torch_memory_saver (the real one needs a GPU)."""
+    import contextlib
+    import os
+    import sys
+    import types
+
+    from rollout.memory import CudaMemorySaver
+
+    seen = []
+
+    class FakeTMS:
+        hook_mode = "preload"
+
+        @contextlib.contextmanager
+        def region(self, tag):
+            seen.append(("region", tag, os.environ["PYTORCH_CUDA_ALLOC_CONF"]))
+            yield
+
+        def pause(self, tag):
+            seen.append(("pause", tag))
+
+        def resume(self, tag):
+            seen.append(("resume", tag))
+
+    tms = FakeTMS()
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", types.SimpleNamespace(torch_memory_saver=tms))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    settings = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    saver = CudaMemorySaver(torch.device("cuda", 0))
+    assert saver.enabled and tms.hook_mode == "torch"
+    with saver.region("kv_cache"):
+        pass
+    saver.pause("kv_cache")
+    saver.resume("kv_cache")
+    hidden = "max_split_size_mb:64,expandable_segments:False"
+    assert seen == [
+        ("region", "weights", hidden),
+        ("region", "kv_cache", hidden),
+        ("pause", "kv_cache"),
+        ("resume", "kv_cache"),
+    ]
+    assert settings == ["expandable_segments:False", "expandable_segments:True"] * 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"].endswith("expandable_segments:True")
+    with pytest.raises(ValueError, match="'kv'"):
+        saver.pause("kv")
+
+
 # -- GPU: memory really goes back --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu(tmp_path_factory):
