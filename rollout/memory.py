@@ -277,12 +277,14 @@ class MemoryMixin:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing may still run on memory about to go
         freed = {}
-        for tag in todo:
-            freed[tag] = getattr(self, f"_release_{tag}")(keep_weights_backup)
-            self._memory.released.add(tag)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the engine's cached activations go back too
-        self._log_memory("released", freed, t0, free0)
+        try:
+            for tag in todo:
+                freed[tag] = getattr(self, f"_release_{tag}")(keep_weights_backup)
+                self._memory.released.add(tag)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the engine's cached activations go back too
+            self._log_memory("released", freed, t0, free0)
 
     def resume_memory_occupation(self, tags: str | Iterable[str] | None = None) -> None:
         """Take released memory back (None: all). Resuming only "weights" first, updating them, then
@@ -294,12 +296,14 @@ class MemoryMixin:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # an in-process trainer's cached blocks make room first
         restored = {}
-        for tag in RESUME_ORDER:
-            if tag in todo:
-                self._check_room(tag)
-                restored[tag] = getattr(self, f"_resume_{tag}")()
-                self._memory.released.discard(tag)
-        self._log_memory("resumed", restored, t0, free0)
+        try:
+            for tag in RESUME_ORDER:
+                if tag in todo:
+                    self._check_room(tag)
+                    restored[tag] = getattr(self, f"_resume_{tag}")()
+                    self._memory.released.discard(tag)
+        finally:
+            self._log_memory("resumed", restored, t0, free0)
         if "weights" in restored and self._memory.missing_weights:
             log.info("weights resumed without a backup: generate waits for an update of all of them")
 
