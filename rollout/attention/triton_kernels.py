@@ -29,13 +29,19 @@ def _upcast_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _dot_precision() -> str:
+    # Only affects fp32 operands: 3xTF32 is close to fp32 accuracy (plain TF32 is not) but still uses tensor
+    # cores; "ieee" FMA dots spill registers badly. AMD has no tf32x3.
+    return "ieee" if torch.version.hip else "tf32x3"
+
+
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # fp32 accumulation; "ieee" only matters for fp32 operands (no silent TF32 on GPU).
+def _dot(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # fp32 accumulation.
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -82,6 +88,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr,  # GROUP padded to >= 16 so the group can go through tl.dot
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -119,14 +126,14 @@ def _decode_stage1_kernel(
         k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
 
-        s = _dot(q, k_t, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = _dot(q, k_t, UPCAST_DOT, DOT_PREC) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # avoid (-inf) - (-inf)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PREC)
         m_i = m_new
 
     # Empty split: l_i == 0 -> lse = -inf and a zero partial output, which stage 2 ignores.
@@ -179,6 +186,18 @@ def _decode_stage2_kernel(
     tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for decode stage 1.
+
+    Picked from sm_90 compile stats (no spills, modest registers), not from GPU benchmarks yet.
+    """
+    if dtype == torch.float32:
+        return 32, 4 if head_dim <= 128 else 8
+    if head_dim > 128:
+        return 32, 4
+    return 64, 4
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, head_dim: int) -> int:
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "cache must be [pages, page_size, Hkv, D]"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"
@@ -221,7 +240,7 @@ def paged_decode_attention(
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
 
     block_h = max(16, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
+    block_n, num_warps = _decode_config(head_dim, q.dtype)
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -252,7 +271,8 @@ def paged_decode_attention(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         UPCAST_DOT=_upcast_dot(q.dtype),
-        num_warps=4,
+        DOT_PREC=_dot_precision(),
+        num_warps=num_warps,
         num_stages=2,
     )
     _decode_stage2_kernel[(batch, num_q_heads)](
@@ -305,6 +325,7 @@ def _extend_attn_block(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -320,7 +341,7 @@ def _extend_attn_block(
         k_t = tl.load(k_ptr + k_off[None, :] + offs_d[:, None])
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :])
 
-    s = _dot(q, k_t, UPCAST_DOT) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = _dot(q, k_t, UPCAST_DOT, DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         keep = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         s = tl.where(keep, s, float("-inf"))
@@ -329,7 +350,7 @@ def _extend_attn_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -360,6 +381,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -397,7 +419,7 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_attn_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, page_table_ptr, pt_row, kvh, start_n, q_pos, kv_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            False, PAGE_SIZE, HEAD_DIM, BLOCK_N, UPCAST_DOT,
+            False, PAGE_SIZE, HEAD_DIM, BLOCK_N, UPCAST_DOT, DOT_PREC,
         )  # fmt: skip
     # Diagonal blocks: causal + length masks.
     diag_end = tl.minimum(first_q_pos + BLOCK_M, kv_len)
@@ -405,13 +427,30 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_attn_block(
             acc, l_i, m_i, q, k_ptr, v_ptr, page_table_ptr, pt_row, kvh, start_n, q_pos, kv_len, qk_scale,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            True, PAGE_SIZE, HEAD_DIM, BLOCK_N, UPCAST_DOT,
+            True, PAGE_SIZE, HEAD_DIM, BLOCK_N, UPCAST_DOT, DOT_PREC,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def _extend_config(head_dim: int, dtype: torch.dtype, max_q_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the extend kernel; max_q_len is a host int, so graph-safe.
+
+    Picked from sm_90 compile stats (no spills, shared memory < 100 KB), not from GPU benchmarks yet.
+    Short query chunks use 64-row tiles to waste less of each tile.
+    """
+    if dtype == torch.float32:  # debug/reference path: fp32 tiles are twice as large
+        if head_dim <= 64:
+            return 32, 32, 4
+        return (16, 32, 4) if head_dim <= 128 else (16, 16, 8)
+    if head_dim > 128:
+        return 64, 32, 8
+    if max_q_len > 64:
+        return 128, 64, 8
+    return 64, 64, 4
 
 
 def paged_extend_attention(
@@ -442,9 +481,7 @@ def paged_extend_attention(
     if total_q == 0 or batch == 0 or max_q_len <= 0:
         return out
 
-    # Smaller tiles for big heads keep q/acc/k/v within registers and shared memory.
-    block_m = 64 if head_dim <= 128 else 32
-    block_n = 64 if head_dim <= 64 else 32
+    block_m, block_n, num_warps = _extend_config(head_dim, q.dtype, max_q_len)
     grid = (batch, num_q_heads, triton.cdiv(max_q_len, block_m))
     _extend_kernel[grid](
         q,
@@ -472,7 +509,8 @@ def paged_extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         UPCAST_DOT=_upcast_dot(q.dtype),
-        num_warps=4 if head_dim <= 64 else 8,
+        DOT_PREC=_dot_precision(),
+        num_warps=num_warps,
         num_stages=2,
     )
     return out
