@@ -190,12 +190,13 @@ def test_extend_matches_reference(case, dtype):
     assert_close(out, ref, dtype)
 
 
-def test_extend_max_q_len_larger_than_needed():
+def test_extend_max_q_len_larger_than_needed_and_strided_q():
     # The caller may round max_q_len up (e.g. a bucketed grid); extra query blocks must be no-ops.
     gen = torch.Generator().manual_seed(2)
     q_lens, seq_lens, hq, hkv, d = [3, 5], [10, 5], 4, 2, 64
     k_cache, v_cache, page_table = make_paged_kv(seq_lens, 16, hkv, d, torch.float32, gen)
-    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
+    # q as a strided view into a fused qkv buffer.
+    q = torch.randn(sum(q_lens), hq + 2 * hkv, d, generator=gen).to(DEVICE)[:, :hq]
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
@@ -299,3 +300,30 @@ def test_decode_cuda_graph_replay():
         cu = torch.arange(5, dtype=torch.int32, device=DEVICE)
         ref = reference_paged_attention(q, k_cache, v_cache, page_table, cu, seq_lens_t, d**-0.5)
         assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_page_offsets_beyond_int32_gpu():
+    # page * page_stride > 2**31 elements: offsets must be computed in int64 (needs ~8.6 GB of cache).
+    page_size, hkv, hq, d = 16, 1, 4, 64
+    num_pages = 2**31 // (page_size * hkv * d) + 64
+    k_cache = torch.empty(num_pages, page_size, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    seq_lens = [40, 17]
+    gen = torch.Generator().manual_seed(5)
+    page_table = torch.zeros(2, 4, dtype=torch.int32)
+    page_table[0, :3] = torch.tensor([num_pages - 1, 7, num_pages - 30])
+    page_table[1, :2] = torch.tensor([num_pages - 2, 3])
+    page_table = page_table.to(DEVICE)
+    for p in page_table.flatten().tolist():
+        k_cache[p] = torch.randn(page_size, hkv, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+        v_cache[p] = torch.randn(page_size, hkv, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, hq, d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cu = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens_t, d**-0.5)
+    ref = reference_paged_attention(q, k_cache, v_cache, page_table, cu, seq_lens_t, d**-0.5)
+    assert_close(out, ref, torch.bfloat16)
+    out = paged_extend_attention(q, k_cache, v_cache, page_table, cu, seq_lens_t, d**-0.5, max_q_len=1)
+    assert_close(out, ref, torch.bfloat16)

@@ -234,6 +234,8 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
+    if batch == 0:
+        return out
 
     # Workspace depends only on shapes, so it is safe to allocate inside a CUDA graph capture.
     part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
