@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -61,7 +62,7 @@ def test_length_and_top_logprobs(engine, free_run):
 
 
 def test_default_job_runs(tmp_path):
-    env = {"ROLLOUT_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "ROLLOUT_CACHE": str(tmp_path)}
     res = subprocess.run(
         [sys.executable, "-m", "rollout", "--generate", "--n", "2", "--max-new-tokens", "8"],
         capture_output=True,
