@@ -25,14 +25,12 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | N
         return name
     if device.type != "cuda":
         return "torch"
-    half = dtype in (None, torch.float16, torch.bfloat16)  # flashinfer has no float32 kernels
-    if (
-        half
-        and importlib.util.find_spec("flashinfer") is not None
-        and _importable("rollout.attention.flashinfer_backend")
-    ):
-        return "flashinfer"
-    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    # flashinfer has no float32 kernels
+    half = dtype in (None, torch.float16, torch.bfloat16)
+    for candidate in ("flashinfer", "triton") if half else ("triton",):
+        if importlib.util.find_spec(candidate) is not None and _importable(BACKENDS[candidate].split(":")[0]):
+            return candidate
+    return "torch"
 
 
 def _importable(module: str) -> bool:
