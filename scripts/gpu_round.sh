@@ -43,7 +43,8 @@ run() {  # run NAME CMD...: CMD's output to $OUT/NAME.log, its tail to the termi
 } >"$OUT/env.txt" 2>&1
 
 if [[ $stage == tests || $stage == all ]]; then
-  run gpu_tests "$PY" -m pytest -q -rA -s --durations=20 tests/test_gpu_backends.py tests/test_fused_ops.py
+  run gpu_tests "$PY" -m pytest -q -rA -s --durations=20 tests/test_gpu_backends.py tests/test_fused_ops.py \
+    tests/test_triton_kernels.py
 fi
 if [[ $stage == decode || $stage == all ]]; then
   for model in qwen2.5-0.5b qwen2.5-1.5b; do

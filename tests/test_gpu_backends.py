@@ -227,6 +227,46 @@ def test_graph_padding_rows_touch_only_the_scratch_page(qwen3_dir):
     torch.testing.assert_close(padded[:3], ref, atol=1e-5, rtol=1e-5)
 
 
+class ReplayEagerly(GraphRunner):
+    """The graph runner with 'graphs' that re-run the captured step eagerly: the static buffers, padding
+    and replay path of CUDA-graph decode, checked on a CPU."""
+
+    def _record(self, run):
+        return types.SimpleNamespace(replay=run)
+
+
+@needs_interpreter
+def test_graph_decode_path_matches_eager_generation_on_cpu(checkpoints):
+    prompts = [list(range(5, 14)), [3, 4], list(range(20, 26))]
+    greedy = dict(temperature=0, ignore_eos=True, logprobs=True)
+    params = [SamplingParams(n=n, max_new_tokens=m, **greedy) for n, m in ((2, 2), (1, 5), (2, 3))]
+    ref = Engine(checkpoints["qwen2"], device="cpu", page_size=4, max_total_tokens=512)
+    ref_out = ref.generate(input_ids=prompts, sampling_params=params)
+    engine = triton_engine(checkpoints["qwen2"])
+    runner = engine.runner
+    graphs = ReplayEagerly(
+        engine.model,
+        runner.backend,
+        max_bs=4,  # 5 samples: eager decode, then 3 in a graph of 4 (one padding row), then 1
+        max_pages=engine.max_model_len // 4,
+        hidden_size=engine.model_config.hidden_size,
+        dtype=engine.dtype,
+        device=engine.device,
+    )
+    graphs.capture()
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    runner.graphs = graphs
+    replays = []
+    replay = graphs.replay
+    graphs.replay = lambda inputs: replays.append((inputs.graph_bs, inputs.logit_rows.stop)) or replay(inputs)
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    assert (4, 3) in replays and (1, 1) in replays
+    for a, b in zip(ref_out, out):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
 # -- GPU: bf16 against the torch backend and transformers -----------------------------------------------
 LLAMA3_ROPE = {
     "rope_type": "llama3",

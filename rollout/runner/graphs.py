@@ -88,14 +88,12 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every ladder size, largest first (the first graph's pool is shared by the rest)."""
         self.graphs, self.pool = {}, None
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        free_before = self._free_memory()
         t0 = time.perf_counter()
         for bs in reversed(self.ladder):
             self.graphs[bs] = self._capture_one(bs)
-        torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        self.memory_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.memory_bytes = free_before - self._free_memory()
         log.info(
             "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1fs using %.0f MiB",
             len(self.graphs),
@@ -121,13 +119,23 @@ class GraphRunner:
 
         with torch.inference_mode():
             run()  # warm-up outside the graph: compiles kernels, settles allocations
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with self.capture_context(graph, self.pool, None):
-                run()
+            return self._record(run)
+
+    def _record(self, run: Callable[[], None]) -> Any:
+        """A CUDA graph of `run` (CPU tests substitute one that re-runs it eagerly on replay)."""
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with self.capture_context(graph, self.pool, None):
+            run()
         if self.pool is None:
             self.pool = graph.pool()
         return graph
+
+    def _free_memory(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     # -- one step ---------------------------------------------------------------------------------
     def fits(self, batch_size: int) -> bool:
