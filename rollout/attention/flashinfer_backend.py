@@ -18,6 +18,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.cache.pool import KVPool
+from rollout.runner.transfer import to_device
 
 WORKSPACE_BYTES = 128 << 20  # split-KV partial results; shared by every wrapper (one runs at a time)
 INT_WORKSPACE_BYTES = 8 << 20  # plan arrays of the graph wrappers (shared, re-planned before each replay)
@@ -50,6 +51,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", backend="fa2"
         )
         self._graph_wrappers: dict[int, Any] = {}
+        self._graph_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # bs -> indptr, indices, last_page_len
         self._graph_int_workspace: torch.Tensor | None = None
         self._plan_events: dict[int, Any] = {}  # id(wrapper) -> event recorded after its last plan
 
@@ -81,22 +83,55 @@ class FlashInferBackend(AttentionBackend):
 
     def begin_graph(self, batch: AttnBatch) -> _Meta:
         bs = batch.batch_size
-        wrapper = self._graph_wrappers.get(bs)
-        if wrapper is None:
+        if bs not in self._graph_wrappers:  # first call, before capture: a full plan
             wrapper = self._graph_wrappers[bs] = self._make_graph_wrapper(bs, batch.page_table.shape[1])
-        self._plan_decode(wrapper, *self._csr(batch))
+            self._plan_decode(wrapper, *self._csr(batch))
+            return _Meta(wrapper, batch.slot_mapping)
+        # before a replay: fill the graph's CSR buffers in one upload, then flashinfer's lean re-plan,
+        # which skips the buffer copies and host loops of plan() (the plan's shape depends only on bs)
+        wrapper = self._graph_wrappers[bs]
+        indptr, indices, last = paged_csr(batch.seq_lens_cpu, batch.page_table_cpu, self.kv.page_size)
+        indptr_buf, indices_buf, last_buf = self._graph_buffers[bs]
+        if len(indices) > len(indices_buf):
+            raise ValueError(f"{len(indices)} pages exceed the CUDA-graph buffer of {len(indices_buf)}")
+        dev_indptr, dev_indices, dev_last = to_device([indptr, indices, last], self.device)
+        indptr_buf.copy_(dev_indptr, non_blocking=True)
+        indices_buf[: len(indices)].copy_(dev_indices, non_blocking=True)
+        last_buf.copy_(dev_last, non_blocking=True)
+        self._wait_for_last_plan(wrapper)
+        flashinfer.fast_decode_plan(
+            wrapper,
+            torch.from_numpy(indptr),
+            indices_buf,
+            torch.from_numpy(last),
+            self.num_heads,
+            self.kv.num_kv_heads,
+            self.head_dim,
+            self.kv.page_size,
+            q_data_type=self.kv.dtype,
+            kv_data_type=self.kv.dtype,
+            sm_scale=self.sm_scale,
+            global_override_indptr_cpu=torch.from_numpy(indptr),
+        )
+        self._mark_plan(wrapper)
         return _Meta(wrapper, batch.slot_mapping)
 
     def _make_graph_wrapper(self, bs: int, max_pages: int) -> Any:
         dev = self.device
+        buffers = (
+            torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+            torch.zeros(bs * max_pages, dtype=torch.int32, device=dev),
+            torch.zeros(bs, dtype=torch.int32, device=dev),
+        )
+        self._graph_buffers[bs] = buffers
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
-            paged_kv_indices_buffer=torch.zeros(bs * max_pages, dtype=torch.int32, device=dev),
-            paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buffer=buffers[0],
+            paged_kv_indices_buffer=buffers[1],
+            paged_kv_last_page_len_buffer=buffers[2],
         )
         if self._graph_int_workspace is None:
             self._graph_int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
