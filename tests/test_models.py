@@ -39,7 +39,7 @@ def test_prefill_logits_match_transformers(family, engines, hf_models):
     ours = prefill_logits(engines[family], prompt)
     with torch.no_grad():
         ref = hf_models[family](torch.tensor([prompt])).logits[0].float()
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.cpu(), ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
