@@ -16,10 +16,12 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import SINGLE, TPGroup
+from rollout.memory import MemoryMixin, MemoryState, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.requests import check_lengths, check_prompts, normalize_params, normalize_prompts
+from rollout.runner.graphs import GraphRunner
 from rollout.runner.model_runner import ModelRunner, StepOutput
 from rollout.sampling import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler
@@ -33,7 +35,7 @@ CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
 
 
-class Engine:
+class Engine(MemoryMixin):
     def __init__(self, model: str | Path, *, tp: TPGroup = SINGLE, **options: Any):
         self.config = EngineConfig(model=model, **options)
         cfg = self.config
@@ -43,23 +45,36 @@ class Engine:
         mc = self.model_config
         self.dtype = cfg.torch_dtype(mc.torch_dtype)
         self.max_model_len = self._max_model_len()
+        self.memory_saver = make_memory_saver(cfg.enable_memory_saver, self.device)
+        self._memory = MemoryState()
         t0 = time.perf_counter()
-        self.model = model_class(mc.architecture)(
-            mc, dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=tp
-        )
-        load_checkpoint(self.model, cfg.model)
+        with self.memory_saver.region("weights"):
+            self.model = model_class(mc.architecture)(
+                mc, dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=tp
+            )
+            load_checkpoint(self.model, cfg.model)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
-        self.kv = self._make_kv_pool()
+        with self.memory_saver.region("kv_cache"):
+            self.kv = self._make_kv_pool()
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
         )
-        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device)
+        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
         backend = backend_class(self.backend_name)(
             self.kv, mc.num_heads // tp.size, mc.head_dim, mc.head_dim**-0.5
         )
-        self.runner = ModelRunner(self.model, backend, mc.vocab_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            mc.vocab_size,
+            self.device,
+            max_model_len=self.max_model_len,
+            max_running=cfg.max_running_requests,
+        )
+        if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
+            self.runner.graphs = self._capture_graphs(backend)
         self._rng = random.Random(cfg.seed)
         self._next_seq_id = 0
         self.weight_version = 0
@@ -95,7 +110,7 @@ class Engine:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.mem_fraction - (total - free) - GPU_RESERVE_BYTES
-            num_pages = int(budget // page_bytes)
+            num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
                 raise ValueError(
                     f"mem_fraction={cfg.mem_fraction} leaves no room for a KV cache "
@@ -104,6 +119,21 @@ class Engine:
         else:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
         return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+
+    def _capture_graphs(self, backend: Any) -> GraphRunner:
+        cfg, mc = self.config, self.model_config
+        graphs = GraphRunner(
+            self.model,
+            backend,
+            max_bs=min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests),
+            max_pages=-(-self.max_model_len // cfg.page_size),
+            hidden_size=mc.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+            capture_context=self.memory_saver.cuda_graph,  # tags the graph memory "cuda_graph"
+        )
+        graphs.capture()
+        return graphs
 
     @property
     def pool_tokens(self) -> int:
@@ -135,9 +165,6 @@ class Engine:
             self._request_output(g, tokens, text)
             for g, tokens, text in zip(groups, token_lists, texts or [None] * len(groups))
         ]
-
-    def _check_ready(self) -> None:
-        """Hook for state checks (memory released, weights missing) before work starts."""
 
     def _make_group(self, request: int, tokens: list[int], p: SamplingParams) -> list[Sequence]:
         seqs = []
