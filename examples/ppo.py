@@ -33,9 +33,9 @@ from integrations.rl import (
     policy_logprobs_and_values,
     push_weights,
     refresh_engine,
-    release_engine,
     rollout_batch,
     terminal_rewards,
+    use_memory_saver,
 )
 from integrations.tasks import TASKS, Task
 from rollout import Engine, SamplingParams
@@ -61,7 +61,9 @@ class Config:
     minibatches: int = 2  # optimizer steps per pass; batch * n must split evenly into them
     seed: int = 0
     device: str | None = None  # None: cuda when available, else cpu
+    dtype: str = "auto"  # the engine's: auto is bfloat16 on a GPU, float32 on a CPU (the trainer: float32)
     mem_fraction: float = 0.3  # GPU share for the engine's weights + KV cache (the trainer uses the rest)
+    memory_saver: bool | None = None  # free GPU memory on release; None: on for CUDA with torch_memory_saver
     wandb: bool = False
     wandb_dir: str | None = None
     progress: bool = True
@@ -136,7 +138,14 @@ def train(cfg: Config) -> list[dict[str, float]]:
     """Run the loop; returns each step's metrics."""
     torch.manual_seed(cfg.seed)
     model_dir = str(cfg.model or default_model_dir())
-    engine = Engine(model_dir, device=cfg.device, seed=cfg.seed, mem_fraction=cfg.mem_fraction)
+    engine = Engine(
+        model_dir,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        mem_fraction=cfg.mem_fraction,
+        enable_memory_saver=use_memory_saver(cfg.memory_saver, cfg.device),
+    )
     device = engine.device
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     critic = ValueHead(policy.config.hidden_size).to(device)
@@ -163,8 +172,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
                 outs = engine.generate([p.prompt for p in problems], params, use_tqdm=False)
             scores = [task.reward(p, c.text) for p, req in zip(problems, outs) for c in req.outputs]
             used = device_used_bytes(device)
-            with timer("release"):
-                release_engine(engine)
+            with timer("release"):  # weights discarded (new ones come after the update), KV, graphs
+                engine.release_memory_occupation()
             freed = None if used is None else used - device_used_bytes(device)
             with timer("train"):
                 batch = rollout_batch(outs, pad_id).to(device)
@@ -200,7 +209,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    ap.add_argument("--dtype", default=d.dtype, help="engine dtype: auto, float32, bfloat16, float16")
     ap.add_argument("--mem-fraction", type=float, default=d.mem_fraction, help="engine's share of the GPU")
+    ap.add_argument(
+        "--memory-saver",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="free the engine's GPU memory on release (default: on for CUDA with torch_memory_saver)",
+    )
     ap.add_argument("--wandb", action="store_true", help="log to wandb (works with WANDB_MODE=offline)")
     ap.add_argument("--wandb-dir", default=None, help="folder for wandb's files (default: ./wandb)")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")

@@ -10,6 +10,7 @@ Rows come request-major, as `Engine.generate` returns them: the n samples of pro
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
@@ -280,14 +281,20 @@ def push_weights(policy: nn.Module, engine: Any) -> None:
     from rollout.weights.loader import load_tensors
 
     named = [(name, p.detach()) for name, p in policy.named_parameters()]
+    engine._check_weights_resident("push_weights")
     load_tensors(engine.model, named)
+    engine._mark_weights_loaded([name for name, _ in named])
     engine.flush_cache()
 
 
-def release_engine(engine: Any) -> None:
-    """Hand the engine's device memory (weights, KV cache, CUDA graphs) to the trainer."""
-    if hasattr(engine, "release_memory_occupation"):  # until the memory API lands on main
-        engine.release_memory_occupation()
+def use_memory_saver(requested: bool | None, device: str | torch.device | None) -> bool:
+    """The engine's `enable_memory_saver`: as requested, or by default on for a CUDA device when the
+    optional torch_memory_saver package is installed (without it, release frees no GPU memory)."""
+    if requested is not None:
+        return requested
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type == "cuda" and importlib.util.find_spec("torch_memory_saver") is not None
 
 
 def refresh_engine(policy: nn.Module, engine: Any, timer: Callable[[str], Any] | None = None) -> None:
@@ -297,12 +304,9 @@ def refresh_engine(policy: nn.Module, engine: Any, timer: Callable[[str], Any] |
     `timer(phase)` (e.g. a PhaseTimer) times the "resume" and "sync" phases when given.
     """
     timer = timer or (lambda phase: nullcontext())
-    resume = getattr(engine, "resume_memory_occupation", None)  # until the memory API lands on main
     with timer("resume"):
-        if resume:
-            resume(tags=["weights"])
+        engine.resume_memory_occupation(tags=["weights"])
     with timer("sync"):
         push_weights(policy, engine)
     with timer("resume"):
-        if resume:
-            resume(tags=["kv_cache", "cuda_graph"])
+        engine.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])

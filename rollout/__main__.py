@@ -1,4 +1,8 @@
-"""`python -m rollout [checkpoint]`: generate rollouts and print them with logprobs and throughput."""
+"""`python -m rollout [checkpoint]`: generate rollouts and print them with logprobs and throughput.
+
+The RL main job (GRPO on the built-in model, the reward rising) is `python3 examples/grpo.py`: it uses the
+trainer-side helpers in `integrations/`, which this package never imports.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ PROMPTS = ["12+7=", "3*4=", "copy: abc ", "hello ", "99-9=", "2+2=", "the sky ",
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model", nargs="?", help="HF checkpoint folder (default: a built-in tiny random model)")
-    ap.add_argument("--generate", action="store_true", help="plain generation (the default job for now)")
+    ap.add_argument("--generate", action="store_true", help="plain generation (the default)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -42,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(outs)} prompts x {args.n} samples, {tokens} tokens in {elapsed:.2f}s: "
         f"{tokens / elapsed:.0f} output tokens/s on {engine.device}"
     )
+    print("RL on this engine, the reward rising: python3 examples/grpo.py (or examples/ppo.py)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from test_rl_parts import load_example
 
+from integrations.metrics import summary
 from rollout.toy import default_model_dir
 
 # float32 on a CPU: the engine's sampled-token logprobs and the transformers policy's differ by rounding only
@@ -61,7 +62,7 @@ def test_grpo_example_learns(builtin_model, tmp_path, monkeypatch):
     wandb = wandb_or_none(tmp_path, monkeypatch)
     cfg = grpo.Config(
         model=builtin_model,
-        steps=14,
+        steps=20,
         batch=8,
         n=8,
         minibatches=1,
@@ -71,7 +72,7 @@ def test_grpo_example_learns(builtin_model, tmp_path, monkeypatch):
         **wandb,
     )
     history = grpo.train(cfg)
-    # from about 0.02 (random weights) to well above 0.5 with this seed
+    # about 0.02 at first (random weights); seeds 0-7 all end with the last three steps above 0.4
     check_run(history, cfg.steps, k=3, margin=0.3, tmp_path=tmp_path, wandb=wandb)
 
 
@@ -79,17 +80,36 @@ def test_grpo_example_learns(builtin_model, tmp_path, monkeypatch):
 def test_ppo_example_learns(builtin_model, tmp_path, monkeypatch):
     ppo = load_example("ppo")
     wandb = wandb_or_none(tmp_path, monkeypatch)
-    cfg = ppo.Config(
-        model=builtin_model,
-        steps=20,
-        batch=16,
-        n=4,
-        minibatches=1,
-        seed=0,
-        device="cpu",
-        progress=False,
-        **wandb,
-    )
+    cfg = ppo.Config(model=builtin_model, steps=25, seed=0, device="cpu", progress=False, **wandb)
     history = ppo.train(cfg)
-    check_run(history, cfg.steps, k=3, margin=0.15, tmp_path=tmp_path, wandb=wandb)
+    # about 0.02 at first; seeds 0-7 all end with the last three steps above 0.35
+    check_run(history, cfg.steps, k=3, margin=0.2, tmp_path=tmp_path, wandb=wandb)
     assert all("loss/value" in h for h in history)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_examples_learn_on_gpu(builtin_model, name):
+    """The engine in bfloat16 (auto on a GPU), the trainer in float32: the reward still rises, and the
+    logprob gap is bfloat16 rounding (printed; run with -s to read it)."""
+    from integrations.rl import use_memory_saver
+
+    ex = load_example(name)
+    cfg = ex.Config(model=builtin_model, steps=25, seed=0, device="cuda", progress=False)
+    history = ex.train(cfg)
+    gap_mean = sum(h["logprob_gap/mean"] for h in history) / len(history)
+    gap_max = max(h["logprob_gap/max"] for h in history)
+    released = [h.get("memory/released_gb", 0.0) for h in history]
+    print(
+        f"\n{name} on cuda: {summary(history)}; logprob gap (bf16 engine vs fp32 trainer) "
+        f"mean {gap_mean:.2e} max {gap_max:.2e}; released {min(released):.2f}-{max(released):.2f} GB; "
+        f"time/step generate {history[-1]['time/generate']:.3f}s train {history[-1]['time/train']:.3f}s "
+        f"sync {history[-1]['time/sync']:.3f}s release {history[-1]['time/release']:.3f}s "
+        f"resume {history[-1]['time/resume']:.3f}s"
+    )
+    first = sum(h["reward/mean"] for h in history[:3]) / 3
+    last = sum(h["reward/mean"] for h in history[-3:]) / 3
+    assert last > first + 0.2, [round(h["reward/mean"], 3) for h in history]
+    assert gap_mean < 0.1, gap_mean  # bf16 rounding; a wrong temperature or alignment gives far more
+    if use_memory_saver(None, "cuda"):
+        assert min(released) > 0, released
