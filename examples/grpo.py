@@ -3,8 +3,8 @@
 Each step: the engine samples n completions per prompt (with logprobs) -> verifiable rewards -> the engine
 releases its memory -> group-normalised advantages, clipped policy loss whose importance ratio uses the
 engine's logprobs, optimizer steps -> staged resume: weights, sync, then KV cache and CUDA graphs.
-With no --model it trains the built-in tiny model (random weights) on a synthetic task, and the mean
-reward climbs from about 0.02 to above 0.5 in a few minutes on a CPU.
+With no --model it trains the built-in tiny model (random weights) to repeat the digit of its prompt: the
+mean reward climbs from about 0.02 to about 0.9 in 40 steps, some 10 seconds on a 2-core CPU.
 
     python3 examples/grpo.py                                   # tiny model, on cuda when present
     python3 examples/grpo.py --model path/to/ckpt --task add --steps 200 --batch 32 --n 8 --wandb
@@ -89,12 +89,13 @@ def grpo_update(
     """One GRPO update on a step's rollouts; returns its metrics, the logprob gap included."""
     check_groups(len(rewards), cfg.n)
     advantages = group_advantages(torch.tensor(rewards), cfg.n).to(batch.input_ids.device)
-    with torch.no_grad():  # the policy still holds the weights the engine sampled with
-        trainer_lp = policy_logprobs(policy, batch, cfg.temperature)
-    gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, batch.loss_mask)
     size = len(rewards) // cfg.minibatches
+    with torch.no_grad():  # the policy still holds the weights the engine sampled with
+        chunks = torch.arange(len(rewards), device=batch.input_ids.device).split(size)
+        trainer_lp = torch.cat([policy_logprobs(policy, batch.rows(c), cfg.temperature) for c in chunks])
+    gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, batch.loss_mask)
     gen = torch.Generator().manual_seed(cfg.seed)
-    losses, clip_fracs = [], []
+    losses, clip_fracs, ratio_max = [], [], 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(len(rewards), generator=gen).to(batch.input_ids.device)
         for start in range(0, len(rewards), size):
@@ -110,9 +111,11 @@ def grpo_update(
             opt.step()
             losses.append(loss.item())
             clip_fracs.append(stats.clip_fraction)
+            ratio_max = max(ratio_max, stats.ratio_max)
     return {
         "loss/policy": sum(losses) / len(losses),
         "loss/clip_fraction": sum(clip_fracs) / len(clip_fracs),
+        "loss/ratio_max": ratio_max,
         "logprob_gap/mean": gap_mean,
         "logprob_gap/max": gap_max,
     }
@@ -131,7 +134,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
         enable_memory_saver=use_memory_saver(cfg.memory_saver, cfg.device),
     )
     device = engine.device
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    # float32 master weights; eval() turns dropout off, so the ratio compares one function, not two draws
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)
     task = Task(cfg.task, seed=cfg.seed)

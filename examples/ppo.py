@@ -5,6 +5,8 @@ token -> the engine releases its memory -> values from the critic, GAE advantage
 policy loss whose importance ratio uses the engine's logprobs plus a clipped value loss -> staged
 resume: weights, sync, then KV cache and CUDA graphs. The critic is a linear head on the policy's last
 hidden states (shared trunk); it stays on the trainer side, only the policy's weights go to the engine.
+With no --model the built-in tiny model learns to repeat the digit of its prompt: the mean reward goes
+from about 0.01 to about 0.75 in 40 steps, some 10 seconds on a 2-core CPU.
 
     python3 examples/ppo.py                                    # tiny model, on cuda when present
     python3 examples/ppo.py --model path/to/ckpt --task add --steps 200 --batch 64 --n 2 --wandb
@@ -97,16 +99,18 @@ def ppo_update(
 ) -> dict[str, float]:
     """One PPO update on a step's rollouts; returns its metrics, the logprob gap included."""
     mask = batch.loss_mask
+    size = len(scores) // cfg.minibatches
     with torch.no_grad():  # the policy still holds the weights the engine sampled with
-        trainer_lp, old_values = policy_logprobs_and_values(policy, critic, batch, cfg.temperature)
+        chunks = torch.arange(len(scores), device=mask.device).split(size)
+        parts = [policy_logprobs_and_values(policy, critic, batch.rows(c), cfg.temperature) for c in chunks]
+        trainer_lp, old_values = (torch.cat(ts) for ts in zip(*parts))
     gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, mask)
     rewards = terminal_rewards(torch.tensor(scores), mask)
     advantages, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
     advantages = masked_whiten(advantages, mask)
-    size = len(scores) // cfg.minibatches
     gen = torch.Generator().manual_seed(cfg.seed)
     params = [*policy.parameters(), *critic.parameters()]
-    pg_losses, vf_losses, clip_fracs = [], [], []
+    pg_losses, vf_losses, clip_fracs, ratio_max = [], [], [], 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(len(scores), generator=gen).to(mask.device)
         for start in range(0, len(scores), size):
@@ -124,10 +128,12 @@ def ppo_update(
             pg_losses.append(pg.item())
             vf_losses.append(vf.item())
             clip_fracs.append(stats.clip_fraction)
+            ratio_max = max(ratio_max, stats.ratio_max)
     return {
         "loss/policy": sum(pg_losses) / len(pg_losses),
         "loss/value": sum(vf_losses) / len(vf_losses),
         "loss/clip_fraction": sum(clip_fracs) / len(clip_fracs),
+        "loss/ratio_max": ratio_max,
         "value/mean": (old_values * mask).sum().item() / mask.sum().item(),
         "logprob_gap/mean": gap_mean,
         "logprob_gap/max": gap_max,
@@ -147,7 +153,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
         enable_memory_saver=use_memory_saver(cfg.memory_saver, cfg.device),
     )
     device = engine.device
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
+    # float32 master weights; eval() turns dropout off, so the ratio compares one function, not two draws
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     critic = ValueHead(policy.config.hidden_size).to(device)
     opt = torch.optim.AdamW([*policy.parameters(), *critic.parameters()], lr=cfg.lr, weight_decay=0.0)
     push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)

@@ -163,7 +163,7 @@ def test_logprob_gap():
     assert logprob_gap(torch.zeros(1, 3), torch.ones(1, 3), torch.zeros(1, 3)) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_trainer_recomputes_engine_logprobs(qwen3_dir, hf_models, temperature):
     """The engine's sampled-token logprobs equal the trainer's log_softmax(logits / T), top-k or not."""
     engine = Engine(qwen3_dir, max_total_tokens=2048, seed=0)
