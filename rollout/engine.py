@@ -26,6 +26,7 @@ from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
 from rollout.stop import check_finish
 from rollout.weights.loader import load_checkpoint
+from rollout.weights.updates import WeightsMixin
 
 log = logging.getLogger("rollout")
 
@@ -33,7 +34,7 @@ CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
 
 
-class Engine:
+class Engine(WeightsMixin):
     def __init__(self, model: str | Path, *, tp: TPGroup = SINGLE, **options: Any):
         self.config = EngineConfig(model=model, **options)
         cfg = self.config
