@@ -27,7 +27,7 @@ from torch import nn
 
 from rollout.weights import broadcast as bc
 from rollout.weights import ipc
-from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, view
+from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, write
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -125,7 +125,7 @@ def plan_buckets(
 
 def _fill(buffer: torch.Tensor, bucket: _Bucket) -> FlattenedBucket:
     for meta, t in zip(bucket.metas, bucket.tensors()):
-        view(buffer, meta).copy_(t)  # casts when the bucket's dtype differs; the gathered tensor is freed
+        write(buffer, meta, t)  # casts when the bucket's dtype differs; the gathered tensor is then freed
     return FlattenedBucket(buffer[: bucket.nbytes], bucket.metas)
 
 

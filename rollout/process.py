@@ -102,14 +102,18 @@ class EngineProcess:
         return self.submit(method, *args, **kwargs).result()
 
     def _wait(self, call: PendingCall) -> Any:
-        while call.id not in self._done:
-            reply = self._recv()
-            self._done[reply.id] = reply
+        self._read_until(call.id)
         reply = self._done.pop(call.id)
         self._pending = [p for p in self._pending if p.id != call.id]
         if any(d.type == "cuda" for d in call._devices):
             ipc.release()  # the child dropped its handles: free blocks we no longer hold
         return _unwrap(reply)
+
+    def _read_until(self, call_id: int) -> None:
+        """Read answers (they come in order) until `call_id`'s has arrived."""
+        while call_id not in self._done:
+            reply = self._recv()
+            self._done[reply.id] = reply
 
     def _recv(self) -> _Reply:
         try:
@@ -176,12 +180,12 @@ class EngineProcess:
         """Stop the child (pending calls are answered first); safe to call twice."""
         if self._closed:
             return
+        try:
+            if self._pending:
+                self._read_until(self._pending[-1].id)  # their results stay available
+        except RuntimeError:
+            pass  # the child died; _recv said so
         self._closed = True
-        for call in list(self._pending):
-            try:
-                self._wait(call)
-            except Exception:
-                pass
         self._finalizer.detach()
         _shutdown(self._conn, self._proc, timeout)
 

@@ -125,8 +125,19 @@ def pack(
         raise ValueError(f"out must be a contiguous 1-D uint8 tensor of at least {size} bytes")
     buffer = out[:size]
     for meta, (_, t) in zip(metas, named):
-        view(buffer, meta).copy_(t)
+        write(buffer, meta, t)
     return FlattenedBucket(buffer, metas)
+
+
+def write(buffer: torch.Tensor, meta: TensorMeta, t: torch.Tensor) -> None:
+    """Copy `t` (cast to meta.dtype) into its place in `buffer`."""
+    if tuple(t.shape) != meta.shape:
+        raise ValueError(f"weight {meta.name!r} has shape {tuple(t.shape)}, its slot expects {meta.shape}")
+    dst = buffer[meta.offset : meta.end]
+    if meta.offset % meta.dtype.itemsize == 0:
+        dst.view(meta.dtype).view(meta.shape).copy_(t)  # one kernel, casting on the way
+    else:  # a misaligned slot cannot be viewed as meta.dtype: write the bytes
+        dst.copy_(t.to(meta.dtype).contiguous().reshape(-1).view(torch.uint8))
 
 
 def view(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
