@@ -23,7 +23,8 @@ LOAD_FORMATS = (None, "flattened_bucket")
 
 
 class WeightsMixin:
-    """Mixed into Engine; uses its `model`, `pages`, `scheduler`, `device`, `tp` and `weight_version`."""
+    """Mixed into Engine; uses its `model`, `pages`, `scheduler`, `device`, `tp`, `weight_version` and
+    the memory checks of MemoryMixin (`_check_weights_resident`, `_mark_weights_loaded`)."""
 
     # -- updates ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -75,7 +76,7 @@ class WeightsMixin:
             raise ValueError(f"model_path holds a {arch}, the engine runs a {self.model_config.architecture}")
         self._before_weight_update(abort)
         count = load_checkpoint(self.model, path)  # validates every header before the first write
-        self._after_weight_update()
+        self._after_weight_update(None)
         return count
 
     def _apply_update(self, named: list[tuple[str, torch.Tensor]], abort: bool) -> int:
@@ -83,11 +84,13 @@ class WeightsMixin:
             raise ValueError("the update holds no tensors")
         self._before_weight_update(abort)
         count = load_tensors(self.model, named)
-        self._after_weight_update()
+        self._after_weight_update([name for name, _ in named])
         return count
 
     def _before_weight_update(self, abort: bool) -> None:
-        """Refuse while requests run (their KV would mix two models), unless told to abort them."""
+        """Refuse when the weights are released, or while requests run (their KV would mix two
+        models) unless told to abort them."""
+        self._check_weights_resident("updating weights")
         if self.scheduler.has_work():
             if not abort:
                 raise RuntimeError(
@@ -95,7 +98,8 @@ class WeightsMixin:
                 )
             self.scheduler.abort_all()
 
-    def _after_weight_update(self) -> None:
+    def _after_weight_update(self, names: list[str] | None) -> None:
+        self._mark_weights_loaded(names)  # discarded weights count as valid again once all are loaded
         self.pages.flush()  # cached prefixes hold KV computed by the old weights
         self.weight_version += 1
 
@@ -156,6 +160,7 @@ class WeightsMixin:
             raise ValueError(f"truncate_size must be a non-negative int or None, got {truncate_size!r}")
         if not isinstance(name, str):
             raise TypeError(f"weight name must be a str, got {type(name).__name__}")
+        self._check_weights_resident("get_weights_by_name")
         found = self.model.resolve(name)
         if found is None:
             raise ValueError(f"{name!r} is not a weight of this model")
