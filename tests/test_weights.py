@@ -306,3 +306,20 @@ def test_sync_weights_names_through_wrappers(checkpoints):
         sync_weights(trainer, object())
     with pytest.raises(ValueError, match="bucket_bytes"):
         sync_weights(trainer, None, bucket_bytes=0)
+
+
+def test_release_resume_then_sync(checkpoints):
+    """The loop of DESIGN.md: release, (train), resume weights, push new ones, generate."""
+    engine = make_engine(checkpoints["qwen3"])
+    trainer = perturbed(checkpoints["qwen3"], seed=9)
+    engine.release_memory_occupation()
+    with pytest.raises(RuntimeError, match="released"):
+        sync_weights(trainer, engine)
+    engine.resume_memory_occupation(tags=["weights"])
+    named = state_list(trainer)
+    engine.update_weights_from_tensor(named[:3])  # a partial update does not make the engine ready
+    engine.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
+    with pytest.raises(RuntimeError, match="discarded"):
+        outputs(engine)
+    sync_weights(trainer, engine)
+    assert_runs_model(engine, trainer)
