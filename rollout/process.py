@@ -161,11 +161,11 @@ class EngineProcess:
     def flush_cache(self) -> None:
         return self.call("flush_cache")
 
-    def release_memory_occupation(self, tags=None):
-        return self.call("release_memory_occupation", tags)
+    def release_memory_occupation(self, tags=None, **kw):
+        return self.call("release_memory_occupation", tags, **kw)
 
-    def resume_memory_occupation(self, tags=None):
-        return self.call("resume_memory_occupation", tags)
+    def resume_memory_occupation(self, tags=None, **kw):
+        return self.call("resume_memory_occupation", tags, **kw)
 
     @property
     def weight_version(self) -> int:
@@ -255,7 +255,7 @@ def _handle(engine: Any, req: _Request) -> _Reply:
         if engine.device.type == "cuda":
             import torch
 
-            torch.cuda.current_stream(engine.device).synchronize()  # our copies are done
+            torch.cuda.synchronize(engine.device)  # every copy out of the sender's memory is done
         return _Reply(req.id, True, _to_cpu(value))
     except BaseException as e:
         return _error_reply(req.id, e)

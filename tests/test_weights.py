@@ -323,3 +323,21 @@ def test_release_resume_then_sync(checkpoints):
         outputs(engine)
     sync_weights(trainer, engine)
     assert_runs_model(engine, trainer)
+
+
+@pytest.mark.gpu
+def test_update_reaches_captured_decode_graphs(checkpoints, tmp_path):
+    """Updates copy into the parameters' storage, so decode graphs captured before still run the new
+    model: the updated engine must equal a fresh engine loaded from the new weights."""
+    path = checkpoints["qwen3"]
+    opts = dict(device="cuda", cuda_graph=True, max_total_tokens=1024, page_size=4)
+    engine = Engine(path, **opts)
+    before = outputs(engine)  # decode graphs captured and replayed
+    ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    trainer = perturbed(path, seed=10).to("cuda", torch.bfloat16)
+    trainer.save_pretrained(tmp_path / "new")
+    sync_weights(trainer, engine, bucket_bytes=60_000)
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == ptrs
+    after = outputs(engine)
+    assert after != before
+    assert after == outputs(Engine(str(tmp_path / "new"), **opts))

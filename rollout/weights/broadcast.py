@@ -64,8 +64,6 @@ def join_group(
     """Join (rank 0: host) the group; returns once every member has joined, or raises TimeoutError."""
     _check_args(master_address, master_port, rank, world_size, group_name, timeout)
     recv_device = check_backend(backend, device)
-    if backend == "nccl":
-        torch.cuda.set_device(device)
     td = timedelta(seconds=timeout)
     where = f"weights update group {group_name!r} (rank {rank} of {world_size}, tcp://{master_address}:{master_port})"
     try:
@@ -81,7 +79,8 @@ def join_group(
             multi_tenant=True,
         )
         store.set_timeout(td)
-        with _no_split_from_default_group():
+        cuda = torch.cuda.device(device) if backend == "nccl" else contextlib.nullcontext()
+        with cuda, _no_split_from_default_group():
             pg, _ = dist.distributed_c10d._new_process_group_helper(
                 world_size,
                 rank,
@@ -91,7 +90,7 @@ def join_group(
                 group_name=group_name,
                 timeout=td,
             )
-    except (RuntimeError, ValueError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
+    except RuntimeError as e:  # DistStoreError, DistNetworkError
         if _is_timeout(e):
             raise TimeoutError(f"{where}: peers did not all join within {timeout:g}s ({e})") from e
         raise RuntimeError(f"{where}: could not be created: {e}") from e
