@@ -107,20 +107,24 @@ class _Bucket:
 def plan_buckets(
     named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None
 ) -> list[_Bucket]:
-    """Group parameters in order into buckets of at most `bucket_bytes` (a larger tensor goes alone)."""
-    buckets: list[_Bucket] = []
+    """Group parameters in order into buckets of at most `bucket_bytes` (a larger tensor goes alone),
+    laid out back to back as the receiver rebuilds them."""
+    groups: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
     for name, p in named:
         nbytes = math.prod(p.shape) * (dtype or p.dtype).itemsize
-        if not buckets or (size + nbytes > bucket_bytes and buckets[-1].params):
-            buckets.append(_Bucket([], []))
+        if not groups or size + nbytes > bucket_bytes:
+            groups.append([])
             size = 0
-        buckets[-1].params.append(p)
-        buckets[-1].metas.append(TensorMeta(name, dtype or p.dtype, tuple(p.shape), 0))
+        groups[-1].append((name, p))
         size += nbytes
-    for b in buckets:  # offsets: back to back, as the receiver rebuilds them
-        b.metas = layout([m.name for m in b.metas], [m.dtype for m in b.metas], [m.shape for m in b.metas])
-    return buckets
+    return [
+        _Bucket(
+            [p for _, p in g],
+            layout([n for n, _ in g], [dtype or p.dtype for _, p in g], [p.shape for _, p in g]),
+        )
+        for g in groups
+    ]
 
 
 def _fill(buffer: torch.Tensor, bucket: _Bucket) -> FlattenedBucket:

@@ -61,7 +61,8 @@ class PendingCall:
 
 
 class EngineProcess:
-    """Same arguments and methods as Engine; the engine runs in a spawned child process."""
+    """Same arguments and methods as Engine; the engine runs in a spawned child process. One thread
+    at a time may use it (calls share one pipe)."""
 
     def __init__(self, model: str | Path, *, start_timeout: float = 900.0, **options: Any):
         ctx = mp.get_context("spawn")
@@ -93,7 +94,12 @@ class EngineProcess:
             next(self._ids), method, ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)
         )
         ipc.ready_for_peer(devices)
-        self._conn.send(req)
+        try:
+            self._conn.send(req)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self._proc.join(timeout=5)
+            self._closed = True
+            raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
         call = PendingCall(self, req.id, devices)
         self._pending.append(call)
         return call
@@ -238,7 +244,11 @@ def _serve(conn: Any, model: str, options: dict) -> None:
         if req.method == CLOSE:
             conn.close()
             return
-        conn.send(_handle(engine, req))
+        reply = _handle(engine, req)
+        try:
+            conn.send(reply)
+        except Exception as e:  # an answer that cannot be pickled becomes an error (nothing was written)
+            conn.send(_error_reply(req.id, e))
 
 
 def _handle(engine: Any, req: _Request) -> _Reply:
