@@ -28,7 +28,7 @@ from rollout.process import EngineProcess
 NEW_TOKENS = 16
 # transformers and the engine run different kernels: in half precision a near-tie may pick another
 # token, so each greedy token is compared with transformers' argmax after the same prefix
-LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.15, torch.float16: 0.05}
+LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 from weights_helpers import (
+    CPU,
     FUSED_NAMES,
     assert_runs_model,
     assert_same_snapshot,
@@ -25,7 +26,8 @@ from rollout import Engine
 from rollout.process import EngineProcess, RemoteTraceback
 from rollout.weights.bucket import empty_buffer, pack
 
-OPTIONS = dict(max_total_tokens=1024, page_size=4)
+OPTIONS = dict(max_total_tokens=1024, **CPU)
+GPU = dict(max_total_tokens=1024, page_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +137,9 @@ def test_cuda_ipc_sync_matches_in_process_engine(checkpoints):
     same weights directly, bit for bit, and the sender's buffers must be freed afterwards."""
     path = checkpoints["qwen3"]
     trainer = perturbed(path, seed=21).to("cuda", torch.bfloat16)
-    local = Engine(path, **OPTIONS, device="cuda")
+    local = Engine(path, **GPU, device="cuda")
     local.update_weights_from_tensor(state_list(trainer))
-    with EngineProcess(path, **OPTIONS, device="cuda") as p:
+    with EngineProcess(path, **GPU, device="cuda") as p:
         assert p.info["dtype"] == str(local.dtype)
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
@@ -157,9 +159,9 @@ def test_nccl_broadcast_between_two_gpus(checkpoints):
         pytest.skip(f"NCCL broadcast needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     path = checkpoints["qwen3"]
     trainer = perturbed(path, seed=23).to("cuda:0", torch.bfloat16)
-    local = Engine(path, **OPTIONS, device="cuda:1")
+    local = Engine(path, **GPU, device="cuda:1")
     local.update_weights_from_tensor(state_list(trainer))
-    with EngineProcess(path, **OPTIONS, device="cuda:1") as p:
+    with EngineProcess(path, **GPU, device="cuda:1") as p:
         with BroadcastSender.for_engine(p, backend="nccl", device="cuda:0", timeout=120) as sender:
             stats = sync_weights(trainer, sender, bucket_bytes=50_000)
             assert stats.transport == "broadcast" and stats.buckets > 1

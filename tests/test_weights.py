@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from weights_helpers import (
+    CPU,
     FUSED_NAMES,
     assert_runs_model,
     assert_same_snapshot,
@@ -27,7 +28,7 @@ FAMILIES = ["qwen2", "qwen3"]  # untied with qkv bias; tied with q/k norms
 
 
 def make_engine(path: str) -> Engine:
-    return Engine(path, max_total_tokens=1024, page_size=4)
+    return Engine(path, max_total_tokens=1024, **CPU)
 
 
 @pytest.fixture(params=FAMILIES)

@@ -15,7 +15,14 @@ from datetime import timedelta
 
 import pytest
 import torch
-from weights_helpers import assert_runs_model, assert_same_snapshot, assert_weights_equal, perturbed, snapshot
+from weights_helpers import (
+    CPU,
+    assert_runs_model,
+    assert_same_snapshot,
+    assert_weights_equal,
+    perturbed,
+    snapshot,
+)
 
 from integrations.weight_sync import BroadcastSender, hf_named_parameters, plan_buckets, sync_weights
 from rollout import Engine
@@ -100,7 +107,7 @@ def specs(named):
 
 def test_sglang_style_trainer_and_broadcast_sender(checkpoints):
     path = checkpoints["qwen3"]
-    engine = Engine(path, max_total_tokens=1024, page_size=4)
+    engine = Engine(path, max_total_tokens=1024, **CPU)
     m1, m2, m3 = (perturbed(path, seed=s) for s in (31, 32, 33))
     named1 = [(n, p.detach()) for n, p in m1.named_parameters()]
     named2 = [(n, p.detach()) for n, p in m2.named_parameters()]
@@ -160,7 +167,7 @@ def test_sglang_style_trainer_and_broadcast_sender(checkpoints):
 
 
 def test_engine_side_times_out_when_the_trainer_never_comes(checkpoints):
-    engine = Engine(checkpoints["qwen3"], max_total_tokens=256, page_size=4)
+    engine = Engine(checkpoints["qwen3"], max_total_tokens=256, **CPU)
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"weights update group 'lonely' \(rank 1 of 2.*1.5s"):
         engine.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "lonely", "gloo", timeout=1.5)
@@ -179,7 +186,7 @@ def test_sender_side_times_out_when_the_engine_never_comes():
 
 
 def test_cpu_engine_cannot_join_an_nccl_group(checkpoints):
-    engine = Engine(checkpoints["qwen3"], max_total_tokens=256, page_size=4)
+    engine = Engine(checkpoints["qwen3"], max_total_tokens=256, **CPU)
     with pytest.raises(ValueError, match="nccl"):
         engine.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "n", backend="nccl")
     assert torch.distributed.is_available()

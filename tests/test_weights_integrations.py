@@ -24,7 +24,7 @@ def worker(rank: int, port: int, path: str, results) -> None:
 
 def _worker(rank: int, port: int, path: str) -> str:
     import torch.distributed as dist
-    from weights_helpers import assert_runs_model, assert_weights_equal, perturbed
+    from weights_helpers import CPU, assert_runs_model, assert_weights_equal, perturbed
 
     from integrations import hf_named_parameters, sync_weights
     from rollout import Engine
@@ -34,7 +34,7 @@ def _worker(rank: int, port: int, path: str) -> str:
     )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    engine = Engine(path, max_total_tokens=1024, page_size=4) if rank == 0 else None
+    engine = Engine(path, max_total_tokens=1024, **CPU) if rank == 0 else None
     names = [n for n, _ in hf_named_parameters(perturbed(path, 0))]
 
     # DDP

@@ -11,6 +11,8 @@ from helpers import PROMPTS, hf_greedy, hf_logprobs
 
 from rollout import SamplingParams
 
+# the CPU tests pin the CPU (float32), also on a GPU machine; GPU tests ask for cuda themselves
+CPU = dict(device="cpu", page_size=4)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=True)
 CHECK_PROMPTS = [PROMPTS[0], PROMPTS[3]]
 # HF names whose engine storage is fused or shared: read back through the fused/tied parameter
