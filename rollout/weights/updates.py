@@ -52,9 +52,9 @@ class WeightsMixin:
         abort: bool = False,
     ) -> int:
         """Receive tensors broadcast by rank 0 of `group_name` (one per name, in order, or one flattened
-        buffer), then load them. They land in temporary buffers first and are checked against the model
-        after the broadcast (so the sender never waits on a refusal), so a bad set leaves the weights as
-        they were. A malformed spec (lengths, dtype names, shapes) cannot be received at all: it is
+        buffer), then load them. They land in temporary buffers and are checked against the model
+        once the broadcast is done (the sender never waits on a refusal); a bad set leaves the weights
+        as they were. A malformed spec (lengths, dtype names, shapes) cannot be received at all: it is
         refused at once, and the sender's broadcast times out."""
         _check_format(load_format)
         group = self._update_group(group_name)
