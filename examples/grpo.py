@@ -29,12 +29,12 @@ from integrations.rl import (
     group_advantages,
     logprob_gap,
     policy_logprobs,
-    push_weights,
     refresh_engine,
     rollout_batch,
     use_memory_saver,
 )
 from integrations.tasks import TASKS, Task
+from integrations.weight_sync import sync_weights
 from rollout import Engine, SamplingParams
 from rollout.toy import default_model_dir
 
@@ -137,7 +137,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     # float32 master weights; eval() turns dropout off, so the ratio compares one function, not two draws
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)
+    sync_weights(policy, engine)  # the same weights on both sides from the start (the engine may run bf16)
     task = Task(cfg.task, seed=cfg.seed)
     params = SamplingParams(
         n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
@@ -165,9 +165,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
             with timer("train"):
                 batch = rollout_batch(outs, pad_id).to(device)
                 metrics = grpo_update(policy, opt, batch, rewards, cfg)
-            refresh_engine(policy, engine, timer)
+            synced = refresh_engine(policy, engine, timer)
             metrics |= rollout_metrics(rewards, batch.completion_lens.tolist(), timer.seconds["generate"])
-            metrics |= timer.metrics()
+            metrics |= timer.metrics() | {"sync/gb": synced.bytes / 1e9}
             if freed is not None:
                 metrics["memory/released_gb"] = freed / 1e9
             logger.log(step, metrics)

@@ -33,13 +33,13 @@ from integrations.rl import (
     logprob_gap,
     masked_whiten,
     policy_logprobs_and_values,
-    push_weights,
     refresh_engine,
     rollout_batch,
     terminal_rewards,
     use_memory_saver,
 )
 from integrations.tasks import TASKS, Task
+from integrations.weight_sync import sync_weights
 from rollout import Engine, SamplingParams
 from rollout.toy import default_model_dir
 
@@ -157,7 +157,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     critic = ValueHead(policy.config.hidden_size).to(device)
     opt = torch.optim.AdamW([*policy.parameters(), *critic.parameters()], lr=cfg.lr, weight_decay=0.0)
-    push_weights(policy, engine)  # same weights on both sides from the start (the engine may run bf16)
+    sync_weights(policy, engine)  # the same weights on both sides from the start (the engine may run bf16)
     task = Task(cfg.task, seed=cfg.seed)
     params = SamplingParams(
         n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
@@ -185,9 +185,9 @@ def train(cfg: Config) -> list[dict[str, float]]:
             with timer("train"):
                 batch = rollout_batch(outs, pad_id).to(device)
                 metrics = ppo_update(policy, critic, opt, batch, scores, cfg)
-            refresh_engine(policy, engine, timer)
+            synced = refresh_engine(policy, engine, timer)
             metrics |= rollout_metrics(scores, batch.completion_lens.tolist(), timer.seconds["generate"])
-            metrics |= timer.metrics()
+            metrics |= timer.metrics() | {"sync/gb": synced.bytes / 1e9}
             if freed is not None:
                 metrics["memory/released_gb"] = freed / 1e9
             logger.log(step, metrics)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from integrations.weight_sync import SyncStats, sync_weights
 from rollout.outputs import RequestOutput
 
 
@@ -273,20 +274,6 @@ def clipped_value_loss(
 
 
 # -- the engine around a training step ---------------------------------------------------------
-def push_weights(policy: nn.Module, engine: Any) -> None:
-    """Copy the policy's parameters (by Hugging Face name) into the engine, then drop its prefix cache.
-
-    Stand-in until `sync_weights` lands on main: loads in place, in one process.
-    """
-    from rollout.weights.loader import load_tensors
-
-    named = [(name, p.detach()) for name, p in policy.named_parameters()]
-    engine._check_weights_resident("push_weights")
-    load_tensors(engine.model, named)
-    engine._mark_weights_loaded([name for name, _ in named])
-    engine.flush_cache()
-
-
 def use_memory_saver(requested: bool | None, device: str | torch.device | None) -> bool:
     """The engine's `enable_memory_saver`: as requested, or by default on for a CUDA device when the
     optional torch_memory_saver package is installed (without it, release frees no GPU memory)."""
@@ -297,9 +284,12 @@ def use_memory_saver(requested: bool | None, device: str | torch.device | None) 
     return torch.device(device).type == "cuda" and importlib.util.find_spec("torch_memory_saver") is not None
 
 
-def refresh_engine(policy: nn.Module, engine: Any, timer: Callable[[str], Any] | None = None) -> None:
-    """Staged resume after an update: weights first (small), the new weights in, then KV cache and CUDA
-    graphs, so the peak never holds the trainer's step and the engine's cache at once.
+def refresh_engine(
+    policy: nn.Module, engine: Any, timer: Callable[[str], Any] | None = None, **sync_options: Any
+) -> SyncStats:
+    """Staged resume after an update: weights first (small), the policy's weights in (`sync_weights`,
+    bucketed, cast to the engine's dtype), then KV cache and CUDA graphs, so the peak never holds the
+    trainer's step and the engine's cache at once.
 
     `timer(phase)` (e.g. a PhaseTimer) times the "resume" and "sync" phases when given.
     """
@@ -307,6 +297,7 @@ def refresh_engine(policy: nn.Module, engine: Any, timer: Callable[[str], Any] |
     with timer("resume"):
         engine.resume_memory_occupation(tags=["weights"])
     with timer("sync"):
-        push_weights(policy, engine)
+        stats = sync_weights(policy, engine, **sync_options)
     with timer("resume"):
         engine.resume_memory_occupation(tags=["kv_cache", "cuda_graph"])
+    return stats

@@ -28,6 +28,7 @@ from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
 from rollout.stop import check_finish
 from rollout.weights.loader import load_checkpoint
+from rollout.weights.updates import WeightsMixin
 
 log = logging.getLogger("rollout")
 
@@ -35,7 +36,7 @@ CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
 
 
-class Engine(MemoryMixin):
+class Engine(MemoryMixin, WeightsMixin):
     def __init__(self, model: str | Path, *, tp: TPGroup = SINGLE, **options: Any):
         self.config = EngineConfig(model=model, **options)
         cfg = self.config

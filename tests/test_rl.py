@@ -16,7 +16,7 @@ from integrations.rl import (
     logprob_gap,
     masked_whiten,
     policy_logprobs,
-    push_weights,
+    refresh_engine,
     rollout_batch,
     terminal_rewards,
     token_logprobs,
@@ -176,9 +176,12 @@ def test_trainer_recomputes_engine_logprobs(qwen3_dir, hf_models, temperature):
     assert worst < 1e-4, (mean, worst)
 
 
-def test_push_weights_moves_engine_to_policy(qwen3_dir):
-    """After an update the engine samples from the new weights (its prefix cache dropped)."""
+def test_release_then_refresh_engine_takes_the_policy(qwen3_dir):
+    """The loop's engine side on a CPU: release (weights discarded), refresh (staged resume + sync), and
+    the engine samples from the trainer's new weights (its prefix cache dropped)."""
     from transformers import AutoModelForCausalLM
+
+    from integrations.metrics import PhaseTimer
 
     engine = Engine(qwen3_dir, max_total_tokens=2048, seed=0)
     original = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32)
@@ -186,10 +189,17 @@ def test_push_weights_moves_engine_to_policy(qwen3_dir):
     params = SamplingParams(n=2, max_new_tokens=6, logprobs=True, seed=1)
     prompt = [list(range(3, 40))]  # fills two prefix-cache pages, which must not survive the update
     engine.generate(input_ids=prompt, sampling_params=params)
+    engine.release_memory_occupation()
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(input_ids=prompt, sampling_params=params)
     with torch.no_grad():
         for p in policy.parameters():
             p.mul_(0.9).add_(0.01)
-    push_weights(policy, engine)
+    timer = PhaseTimer("cpu")
+    stats = refresh_engine(policy, engine, timer)
+    assert set(timer.seconds) == {"resume", "sync"} and stats.tensors == len(list(policy.parameters()))
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(engine.get_weights_by_name(name), policy.get_parameter(name).detach())
     after = rollout_batch(engine.generate(input_ids=prompt, sampling_params=params))
     with torch.no_grad():
         new, old = policy_logprobs(policy, after), policy_logprobs(original, after)

@@ -158,13 +158,20 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
             return self.model.embed_tokens, "weight", None
+        if hf_name.count(".") < 1:
+            raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
         *path, mod, param = hf_name.split(".")
         mod, shard = FUSED.get(mod, (mod, None))
         try:
             module = self.get_submodule(".".join([*path, mod]))
         except AttributeError:
             module = None
-        if module is None or not hasattr(module, "load") or getattr(module, param, None) is None:
+        if (
+            module is None
+            or not hasattr(module, "load")
+            or getattr(module, param, None) is None
+            or shard not in getattr(module, "shard_names", [None])  # e.g. our fused "qkv_proj"
+        ):
             raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
         return module, param, shard
 
