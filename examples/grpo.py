@@ -33,7 +33,7 @@ from integrations.rl import (
     rollout_batch,
     use_memory_saver,
 )
-from integrations.tasks import TASKS, Task
+from integrations.tasks import TASKS, Task, char_tokenizer
 from integrations.weight_sync import sync_weights
 from rollout import Engine, SamplingParams
 from rollout.toy import default_model_dir
@@ -142,7 +142,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
     params = SamplingParams(
         n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
     )
-    pad_id = engine.tokenizer.pad_token_id or 0
+    tokenizer = engine.tokenizer or char_tokenizer()  # random real-shaped checkpoints ship none
+    pad_id = tokenizer.pad_token_id or 0
     logger = MetricsLogger(
         cfg.steps,
         use_wandb=cfg.wandb,
@@ -156,8 +157,12 @@ def train(cfg: Config) -> list[dict[str, float]]:
             timer = PhaseTimer(device)
             problems = task.sample(cfg.batch)
             with timer("generate"):
-                outs = engine.generate([p.prompt for p in problems], params, use_tqdm=False)
-            rewards = [task.reward(p, c.text) for p, req in zip(problems, outs) for c in req.outputs]
+                prompts = [tokenizer.encode(p.prompt) for p in problems]
+                outs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
+            texts = [
+                [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in r.outputs] for r in outs
+            ]
+            rewards = [task.reward(p, text) for p, group in zip(problems, texts) for text in group]
             used = device_used_bytes(device)
             with timer("release"):  # weights discarded (new ones come after the update), KV, graphs
                 engine.release_memory_occupation()
@@ -208,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("rollout.memory").setLevel(logging.WARNING)  # each step's line has its timings
     cfg = parse_args(argv)
     t0 = time.perf_counter()
     history = train(cfg)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import random
 import string
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,15 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "copy": _copy,
     "reverse": _reverse,
 }
+
+
+def char_tokenizer() -> Any:
+    """The built-in character tokenizer (rollout.toy): for checkpoints that ship no tokenizer, such as
+    random ones with real shapes. Ids it does not know decode to nothing."""
+    from rollout.toy import build_tokenizer
+
+    with tempfile.TemporaryDirectory() as folder:
+        return build_tokenizer(folder)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from integrations.metrics import MetricsLogger, PhaseTimer, console_line, rollout_metrics, summary
-from integrations.tasks import REPEAT_LEN, Task, answer_score
+from integrations.tasks import REPEAT_LEN, Task, answer_score, char_tokenizer
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -49,6 +49,13 @@ def test_tasks_are_seeded_and_right():
         answer_score("x", "")
     for p in Task("copy", seed=0).sample(5):
         assert p.answer == p.prompt[:-1] and Task.reward(p, p.answer[::-1] + "!") < 1
+
+
+def test_char_tokenizer_round_trips_prompts():
+    tok = char_tokenizer()
+    ids = tok.encode("7+3=")
+    assert len(ids) == 4 and tok.decode(ids) == "7+3="
+    assert tok.decode([*ids, 10**6, tok.eos_token_id], skip_special_tokens=True) == "7+3="  # unknown ids drop
 
 
 def test_rollout_metrics_by_hand():
