@@ -34,7 +34,6 @@ from integrations.rl import (
     use_memory_saver,
 )
 from integrations.tasks import TASKS, Task, char_tokenizer
-from integrations.weight_sync import sync_weights
 from rollout import Engine, SamplingParams
 from rollout.toy import default_model_dir
 
@@ -85,6 +84,7 @@ def grpo_update(
     batch: RolloutBatch,
     rewards: list[float],
     cfg: Config,
+    shuffle: torch.Generator,
 ) -> dict[str, float]:
     """One GRPO update on a step's rollouts; returns its metrics, the logprob gap included."""
     check_groups(len(rewards), cfg.n)
@@ -94,10 +94,9 @@ def grpo_update(
         chunks = torch.arange(len(rewards), device=batch.input_ids.device).split(size)
         trainer_lp = torch.cat([policy_logprobs(policy, batch.rows(c), cfg.temperature) for c in chunks])
     gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, batch.loss_mask)
-    gen = torch.Generator().manual_seed(cfg.seed)
     losses, clip_fracs, ratio_max = [], [], 0.0
     for _ in range(cfg.epochs):
-        order = torch.randperm(len(rewards), generator=gen).to(batch.input_ids.device)
+        order = torch.randperm(len(rewards), generator=shuffle).to(batch.input_ids.device)
         for start in range(0, len(rewards), size):
             rows = order[start : start + size]
             mb = batch.rows(rows)
@@ -137,8 +136,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
     # float32 master weights; eval() turns dropout off, so the ratio compares one function, not two draws
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sync_weights(policy, engine)  # the same weights on both sides from the start (the engine may run bf16)
     task = Task(cfg.task, seed=cfg.seed)
+    shuffle = torch.Generator().manual_seed(cfg.seed)  # minibatch order
     params = SamplingParams(
         n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
     )
@@ -169,7 +168,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
             freed = None if used is None else used - device_used_bytes(device)
             with timer("train"):
                 batch = rollout_batch(outs, pad_id).to(device)
-                metrics = grpo_update(policy, opt, batch, rewards, cfg)
+                metrics = grpo_update(policy, opt, batch, rewards, cfg, shuffle)
             synced = refresh_engine(policy, engine, timer)
             metrics |= rollout_metrics(rewards, batch.completion_lens.tolist(), timer.seconds["generate"])
             metrics |= timer.metrics() | {"sync/gb": synced.bytes / 1e9}

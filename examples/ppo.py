@@ -39,7 +39,6 @@ from integrations.rl import (
     use_memory_saver,
 )
 from integrations.tasks import TASKS, Task, char_tokenizer
-from integrations.weight_sync import sync_weights
 from rollout import Engine, SamplingParams
 from rollout.toy import default_model_dir
 
@@ -96,6 +95,7 @@ def ppo_update(
     batch: RolloutBatch,
     scores: list[float],
     cfg: Config,
+    shuffle: torch.Generator,
 ) -> dict[str, float]:
     """One PPO update on a step's rollouts; returns its metrics, the logprob gap included."""
     mask = batch.loss_mask
@@ -108,11 +108,10 @@ def ppo_update(
     rewards = terminal_rewards(torch.tensor(scores), mask)
     advantages, returns = gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
     advantages = masked_whiten(advantages, mask)
-    gen = torch.Generator().manual_seed(cfg.seed)
     params = [*policy.parameters(), *critic.parameters()]
     pg_losses, vf_losses, clip_fracs, ratio_max = [], [], [], 0.0
     for _ in range(cfg.epochs):
-        order = torch.randperm(len(scores), generator=gen).to(mask.device)
+        order = torch.randperm(len(scores), generator=shuffle).to(mask.device)
         for start in range(0, len(scores), size):
             rows = order[start : start + size]
             mb = batch.rows(rows)
@@ -157,8 +156,8 @@ def train(cfg: Config) -> list[dict[str, float]]:
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     critic = ValueHead(policy.config.hidden_size).to(device)
     opt = torch.optim.AdamW([*policy.parameters(), *critic.parameters()], lr=cfg.lr, weight_decay=0.0)
-    sync_weights(policy, engine)  # the same weights on both sides from the start (the engine may run bf16)
     task = Task(cfg.task, seed=cfg.seed)
+    shuffle = torch.Generator().manual_seed(cfg.seed)  # minibatch order
     params = SamplingParams(
         n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
     )
@@ -189,7 +188,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
             freed = None if used is None else used - device_used_bytes(device)
             with timer("train"):
                 batch = rollout_batch(outs, pad_id).to(device)
-                metrics = ppo_update(policy, critic, opt, batch, scores, cfg)
+                metrics = ppo_update(policy, critic, opt, batch, scores, cfg, shuffle)
             synced = refresh_engine(policy, engine, timer)
             metrics |= rollout_metrics(scores, batch.completion_lens.tolist(), timer.seconds["generate"])
             metrics |= timer.metrics() | {"sync/gb": synced.bytes / 1e9}
