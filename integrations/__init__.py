@@ -1,0 +1,1 @@
+"""Trainer-side helpers for rollout (weight sync, torchrun, metrics); rollout/ never imports them."""

@@ -1,0 +1,277 @@
+"""Engines inside a 2-rank world (gloo on the CPU): tensor parallel equals one rank, data parallel splits a
+batch, weight loading takes full tensors, bad settings and failing ranks raise instead of hanging."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from dist_cluster import Cluster
+from helpers import PROMPTS
+from safetensors.torch import load_file
+
+from rollout import Engine, SamplingParams
+from rollout.distributed import CollectiveError
+from rollout.toy import build_checkpoint
+from rollout.weights.loader import WeightTarget, load_tensors
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=3)
+SAMPLED = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, ignore_eos=True, logprobs=True, seed=7)
+ENGINE = dict(page_size=4, max_total_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(2, tmp_path_factory.mktemp("dist"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def ckpts(checkpoints, tmp_path_factory) -> dict[str, str]:
+    """Qwen3 (qk-norm) and Qwen2 (qkv bias), each tied and untied, plus checkpoints that cannot split."""
+    root = tmp_path_factory.mktemp("tp-ckpt")
+    extra = {
+        "qwen3-untied": dict(arch="qwen3", seed=5),
+        "qwen2-tied": dict(arch="qwen2", seed=6, tie_word_embeddings=True),
+        "qwen3-heads3": dict(arch="qwen3", seed=7, num_attention_heads=3, num_key_value_heads=1, head_dim=16),
+        "qwen3-other": dict(arch="qwen3", seed=8, tie_word_embeddings=True),  # weights for an update
+    }
+    made = {name: str(build_checkpoint(root / name, **kw)) for name, kw in extra.items()}
+    return {"qwen3-tied": checkpoints["qwen3"], "qwen2-untied": checkpoints["qwen2"], **made, **checkpoints}
+
+
+def summary(outs) -> list[tuple[list[int], list[float], list[dict[int, float]] | None]]:
+    return [(c.token_ids, c.logprobs, c.top_logprobs) for r in outs for c in r.outputs]
+
+
+def run_params(engine: Engine, prompts=PROMPTS):
+    return summary(engine.generate(input_ids=prompts, sampling_params=GREEDY)) + summary(
+        engine.generate(input_ids=prompts, sampling_params=SAMPLED)
+    )
+
+
+def assert_same(ours, ref, atol=2e-5):
+    assert len(ours) == len(ref)
+    for (tokens, lps, top), (ref_tokens, ref_lps, ref_top) in zip(ours, ref):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(lps, ref_lps, atol=atol, rtol=0)
+        if ref_top is not None:
+            for a, b in zip(top, ref_top):
+                assert list(a) == list(b)
+                torch.testing.assert_close(list(a.values()), list(b.values()), atol=atol, rtol=0)
+
+
+# -- on every rank (module-level so the workers can import them) -----------------------------------------
+def rank_tp_generate(path: str, named: list | None = None):
+    engine = Engine(path, tp_size=2, **ENGINE)
+    assert engine.tp.size == 2 and engine.config.tp_size == 2
+    if named is not None:
+        load_tensors(engine.model, named)
+        for name, full in named:  # read() gathers the shards back into the full tensor
+            assert torch.equal(WeightTarget(name, *engine.model.resolve(name)).read(), full), name
+    return run_params(engine)
+
+
+def rank_given_groups(path: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    by_mesh = Engine(path, tp_group=mesh["tp"], **ENGINE)
+    by_group = Engine(path, tp_group=dist.new_group([0, 1], backend="gloo"), **ENGINE)
+    assert by_mesh.config.tp_size == by_group.config.tp_size == 2
+    return run_params(by_mesh), run_params(by_group)
+
+
+def rank_data_parallel(path: str, prompts: list[list[int]]):
+    import torch.distributed as dist
+
+    from integrations.torchrun import DataParallelRollout
+
+    engine = Engine(path, **ENGINE)
+    dp = DataParallelRollout(engine, seed=5)
+    seeded = [replace(SAMPLED, seed=i) for i in range(len(prompts))]
+    everyone = summary(dp.generate(input_ids=prompts, sampling_params=GREEDY))
+    to_rank0 = dp.generate(input_ids=prompts, sampling_params=seeded, dst=0)
+    unseeded = replace(SAMPLED, seed=None)
+    local = dp.generate(
+        input_ids=prompts if dist.get_rank() == 0 else None, sampling_params=unseeded, src=0, dst=None
+    )
+    return dict(
+        groups=dp.layout.groups,
+        share=list(dp.layout.share(len(prompts))),
+        everyone=everyone,
+        to_rank0=None if to_rank0 is None else summary(to_rank0),
+        local_prompts=[r.prompt_token_ids for r in local],
+        local=summary(local),
+    )
+
+
+def rank_bad_settings(paths: dict[str, str]):
+    errors = []
+    for path, options in [
+        (paths["qwen3-tied"], dict(tp_size=3)),
+        (paths["mistral"], dict(tp_size=2)),
+        (paths["qwen3-heads3"], dict(tp_size=2)),
+        (paths["qwen3-tied"], dict(tp_group="ranks 0 and 1")),
+    ]:
+        try:
+            Engine(path, **options, **ENGINE)
+            errors.append(None)
+        except (ValueError, TypeError) as e:
+            errors.append((type(e).__name__, str(e)))
+    return errors
+
+
+def rank_inputs_disagree(path: str):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    engine = Engine(path, tp_size=2, tp_timeout=30, **ENGINE)
+    errors = []
+    for ids in ([[5 + rank, 6, 7]], [[5, 6, 500 if rank == 1 else 7]]):  # different; bad on rank 1 only
+        try:
+            engine.generate(input_ids=ids, sampling_params=GREEDY)
+            errors.append(None)
+        except (ValueError, RuntimeError) as e:
+            errors.append((type(e).__name__, str(e)))
+    after = engine.generate(input_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].outputs[0].token_ids
+    return errors, after
+
+
+def rank_one_raises(path: str, timeout: float):
+    import torch.distributed as dist
+
+    engine = Engine(path, tp_size=2, tp_timeout=timeout, **ENGINE)
+    if dist.get_rank() == 1:
+        real, calls = engine.runner.step, []
+
+        def failing_step(batch):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault on rank 1")
+            return real(batch)
+
+        engine.runner.step = failing_step
+    t0 = time.monotonic()
+    try:
+        engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        error = None
+    except Exception as e:
+        error = (type(e).__name__, str(e))
+    waited = time.monotonic() - t0
+    dist.barrier()  # rank 1 waits on the default group while rank 0 times out on the engine's group
+    return error, waited
+
+
+# -- tests -------------------------------------------------------------------------------------------------
+FAMILIES = ["qwen3-tied", "qwen3-untied", "qwen2-untied", "qwen2-tied"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_matches_one_rank(family, cluster, ckpts):
+    ref = run_params(Engine(ckpts[family], **ENGINE))
+    rank0, rank1 = cluster.values(rank_tp_generate, ckpts[family])
+    assert rank0 == rank1  # every rank of the group gets the same outputs
+    assert_same(rank0, ref)
+
+
+def test_weight_update_on_tp2_matches_one_rank(cluster, ckpts):
+    named = list(load_file(f"{ckpts['qwen3-other']}/model.safetensors").items())
+    ref = run_params(Engine(ckpts["qwen3-other"], **ENGINE))
+    before = run_params(Engine(ckpts["qwen3-tied"], **ENGINE))
+    assert [t for t, _, _ in ref] != [t for t, _, _ in before]  # the update changes the outputs
+    rank0, rank1 = cluster.values(rank_tp_generate, ckpts["qwen3-tied"], named)
+    assert rank0 == rank1
+    assert_same(rank0, ref)
+
+
+def test_given_group_or_mesh(cluster, ckpts):
+    ref = run_params(Engine(ckpts["qwen3-tied"], **ENGINE))
+    for by_mesh, by_group in cluster.values(rank_given_groups, ckpts["qwen3-tied"]):
+        assert_same(by_mesh, ref)
+        assert_same(by_group, ref)
+
+
+def test_data_parallel_ranks_serve_their_share(cluster, ckpts):
+    engine = Engine(ckpts["qwen3-tied"], **ENGINE)
+    seeded = [replace(SAMPLED, seed=i) for i in range(len(PROMPTS))]
+    rng = random.Random(5)  # the seeds DataParallelRollout(seed=5) gives unseeded requests, call by call
+    [rng.getrandbits(63) for _ in PROMPTS]  # first call: greedy, unseeded
+    drawn = [replace(SAMPLED, seed=rng.getrandbits(63)) for _ in PROMPTS]  # third call
+    single_greedy = summary(engine.generate(input_ids=PROMPTS, sampling_params=GREEDY))
+    single_seeded = summary(engine.generate(input_ids=PROMPTS, sampling_params=seeded))
+    single_drawn = engine.generate(input_ids=PROMPTS, sampling_params=drawn)
+
+    rank0, rank1 = cluster.values(rank_data_parallel, ckpts["qwen3-tied"], PROMPTS)
+    assert rank0["groups"] == ((0,), (1,))
+    assert rank0["share"] == [0, 1, 2] and rank1["share"] == [3, 4]  # 5 prompts: 3 + 2
+    for r in (rank0, rank1):
+        assert_same(r["everyone"], single_greedy)
+        assert r["local_prompts"] == [PROMPTS[i] for i in r["share"]]
+        assert_same(r["local"], summary([single_drawn[i] for i in r["share"]]))
+    assert_same(rank0["to_rank0"], single_seeded)
+    assert rank1["to_rank0"] is None
+
+
+def test_bad_tp_settings_raise_on_every_rank(cluster, ckpts):
+    for errors in cluster.values(rank_bad_settings, ckpts, timeout=60):
+        world, kv_heads, heads, group = errors
+        assert world == ("ValueError", "tp_size=3 does not divide the world size 2 of torch.distributed")
+        assert kv_heads == ("ValueError", "tp_size=2 does not divide num_key_value_heads=1")
+        assert heads == ("ValueError", "tp_size=2 does not divide num_attention_heads=3")
+        assert group[0] == "TypeError" and "tp_group must be a ProcessGroup" in group[1]
+
+
+def test_tp_needs_torch_distributed(qwen3_dir):
+    with pytest.raises(ValueError, match="tp_size=2 needs torch.distributed initialised"):
+        Engine(qwen3_dir, tp_size=2, **ENGINE)
+    with pytest.raises(ValueError, match="tp_timeout must be a positive number"):
+        Engine(qwen3_dir, tp_timeout=0, **ENGINE)
+
+
+def test_ranks_with_different_inputs_all_raise(cluster, ckpts):
+    (errors0, after0), (errors1, after1) = cluster.values(rank_inputs_disagree, ckpts["qwen3-tied"])
+    differ0, bad0 = errors0
+    differ1, bad1 = errors1
+    assert differ0 == differ1 and differ0[0] == "ValueError" and "differ between the ranks" in differ0[1]
+    assert bad1[0] == "ValueError" and "outside the vocabulary" in bad1[1]  # rank 1's own error
+    assert bad0 == ("RuntimeError", "generate inputs raised on tensor-parallel rank(s) [1] of group [0, 1]")
+    assert after0 == after1 and len(after0) == GREEDY.max_new_tokens  # the engines stay usable
+
+
+def test_a_failing_rank_makes_the_other_fail(cluster, ckpts):
+    (error0, waited0), (error1, _) = cluster.values(rank_one_raises, ckpts["qwen3-tied"], 2.0)
+    assert error1 == ("RuntimeError", "injected fault on rank 1")
+    assert error0[0] == CollectiveError.__name__
+    assert "another rank of the group raised, exited or made different calls" in error0[1]
+    assert "2s timeout" in error0[1]
+    assert waited0 < 30
+
+
+# -- GPUs ----------------------------------------------------------------------------------------------------
+def rank_gpu_tp(path: str):
+    import torch.distributed as dist
+
+    engine = Engine(path, tp_size=2, dtype="float32", device=f"cuda:{dist.get_rank()}", **ENGINE)
+    half = Engine(path, tp_size=2, dtype="bfloat16", device=f"cuda:{dist.get_rank()}", **ENGINE)
+    return run_params(engine), run_params(half)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tensor parallelism across ranks needs 2 CUDA devices"
+)
+def test_gpu_tp2_matches_one_gpu(tmp_path, ckpts):
+    ref = run_params(Engine(ckpts["qwen3-untied"], dtype="float32", device="cuda:0", **ENGINE))
+    gpus = Cluster(2, tmp_path, backend="nccl")
+    try:
+        (f32_0, bf16_0), (f32_1, bf16_1) = gpus.values(rank_gpu_tp, ckpts["qwen3-untied"], timeout=300)
+    finally:
+        gpus.close()
+    assert f32_0 == f32_1 and bf16_0 == bf16_1  # both ranks sampled the same tokens
+    assert_same(f32_0, ref, atol=1e-3)
