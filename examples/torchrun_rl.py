@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument(
+        "--dtype", default="auto", help="engine dtype (auto: bfloat16 on a GPU, float32 on a CPU)"
+    )
     return ap.parse_args(argv)
 
 
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
     torch.manual_seed(0)
     path = checkpoint(args.model)
-    engine = build_engine(path, tp_size=args.tp_size, max_total_tokens=8192)
+    engine = build_engine(path, tp_size=args.tp_size, max_total_tokens=8192, dtype=args.dtype)
     rollout = DataParallelRollout(engine, seed=1)
     trainer, policy = make_trainer(path, env.device)
     opt = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
