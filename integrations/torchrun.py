@@ -235,7 +235,8 @@ def _split_batch(prompts: Any, input_ids: Any) -> tuple[str, list[Any]]:
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
     if isinstance(ids, Sequence) and ids and all(isinstance(t, int) for t in ids):
         ids = [ids]
-    if not isinstance(ids, Sequence) or not all(isinstance(p, Sequence) for p in ids):
+    lists = isinstance(ids, Sequence) and not isinstance(ids, str)
+    if not lists or not all(isinstance(p, Sequence) and not isinstance(p, str) for p in ids):
         raise TypeError("input_ids must be a list of token ids or a list of such lists")
     if not ids:
         raise ValueError("no prompts given")

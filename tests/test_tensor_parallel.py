@@ -13,6 +13,7 @@ from dist_cluster import Cluster
 from helpers import PROMPTS
 from safetensors.torch import load_file
 
+from integrations.torchrun import Layout, TorchrunEnv
 from rollout import Engine, SamplingParams
 from rollout.distributed import CollectiveError
 from rollout.toy import build_checkpoint
@@ -101,7 +102,16 @@ def rank_data_parallel(path: str, prompts: list[list[int]]):
     local = dp.generate(
         input_ids=prompts if dist.get_rank() == 0 else None, sampling_params=unseeded, src=0, dst=None
     )
+    errors = []
+    rank = dist.get_rank()
+    for ids in ([[5, 6]] if rank == 0 else "not token ids", [[5, 6 + rank]]):  # bad on rank 1; differ
+        try:
+            dp.generate(input_ids=ids, sampling_params=GREEDY)
+            errors.append(None)
+        except (TypeError, ValueError, RuntimeError) as e:
+            errors.append((type(e).__name__, str(e)))
     return dict(
+        errors=errors,
         groups=dp.layout.groups,
         share=list(dp.layout.share(len(prompts))),
         everyone=everyone,
@@ -216,6 +226,22 @@ def test_data_parallel_ranks_serve_their_share(cluster, ckpts):
         assert_same(r["local"], summary([single_drawn[i] for i in r["share"]]))
     assert_same(rank0["to_rank0"], single_seeded)
     assert rank1["to_rank0"] is None
+    (bad0, differ0), (bad1, differ1) = rank0["errors"], rank1["errors"]
+    assert bad1 == ("TypeError", "input_ids must be a list of token ids or a list of such lists")
+    assert bad0 == ("RuntimeError", f"generate inputs failed on rank(s) [1]; rank 1: TypeError: {bad1[1]}")
+    assert differ0 == differ1 and differ0[0] == "ValueError" and "different global batch" in differ0[1]
+
+
+def test_layout_splits_and_checks():
+    layout = Layout.from_reports([(0, 1), (0, 1), (2, 3), (2, 3)], rank=2)
+    assert layout.groups == ((0, 1), (2, 3)) and layout.index == 1 and layout.leader(1) == 2
+    assert [list(layout.share(5, i)) for i in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [list(layout.share(1, i)) for i in range(2)] == [[0], []]
+    with pytest.raises(ValueError, match="do not partition the world"):
+        Layout.from_reports([(0, 1), (1,)], rank=0)
+    with pytest.raises(ValueError, match="RANK=None: launch with torchrun"):
+        TorchrunEnv.from_env({})
+    assert TorchrunEnv.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).local_rank == 1
 
 
 def test_bad_tp_settings_raise_on_every_rank(cluster, ckpts):
