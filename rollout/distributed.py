@@ -112,7 +112,7 @@ def make_tp_group(
         return tp_group
     if tp_group is not None:
         group = _as_process_group(tp_group)
-        return _wrap_given(group, tp_size, device, model_sizes)
+        return _connect(_wrap_given(group, tp_size, device, model_sizes))
     if tp_size == 1:
         return TPGroup(ranks=(_global_rank(),), device=str(device))
     dist = _require_dist(f"tp_size={tp_size}")
@@ -128,7 +128,14 @@ def make_tp_group(
         group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s), backend=backend)
         if me in ranks:
             mine = TPGroup(ranks.index(me), tp_size, group, ranks, str(device), timeout_s)
-    return mine
+    return _connect(mine)
+
+
+def _connect(tp: TPGroup) -> TPGroup:
+    """One collective right away: a missing peer shows at construction, and NCCL sets up its
+    communicator now rather than inside a memory-saver region (whose memory is freed on release)."""
+    tp.all_reduce(torch.zeros(1, device=tp.device))
+    return tp
 
 
 def _wrap_given(group: Any, tp_size: int, device: torch.device, model_sizes: dict[str, int]) -> TPGroup:

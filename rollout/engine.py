@@ -17,6 +17,7 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
+from rollout.memory import MemoryMixin, MemoryState, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -34,7 +35,7 @@ CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
 
 
-class Engine:
+class Engine(MemoryMixin):
     def __init__(self, model: str | Path, *, tp_group: Any = None, **options: Any):
         """`tp_group`: a ProcessGroup or 1-D DeviceMesh to shard the model over (default: groups of
         `tp_size` consecutive ranks of the torch.distributed world). See rollout/distributed.py."""
@@ -49,14 +50,18 @@ class Engine:
         self.config = cfg = replace(cfg, tp_size=tp.size)
         self.dtype = cfg.torch_dtype(mc.torch_dtype)
         self.max_model_len = self._max_model_len()
+        self.memory_saver = make_memory_saver(cfg.enable_memory_saver, self.device)
+        self._memory = MemoryState()
         t0 = time.perf_counter()
-        self.model = model_class(mc.architecture)(
-            mc, dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=tp
-        )
-        load_checkpoint(self.model, cfg.model)
+        with self.memory_saver.region("weights"):
+            self.model = model_class(mc.architecture)(
+                mc, dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=tp
+            )
+            load_checkpoint(self.model, cfg.model)
         self.tokenizer = _load_tokenizer(cfg.model)
         self.eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
-        self.kv = self._make_kv_pool()
+        with self.memory_saver.region("kv_cache"):
+            self.kv = self._make_kv_pool()
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
@@ -144,9 +149,6 @@ class Engine:
             self._request_output(g, tokens, text)
             for g, tokens, text in zip(groups, token_lists, texts or [None] * len(groups))
         ]
-
-    def _check_ready(self) -> None:
-        """Hook for state checks (memory released, weights missing) before work starts."""
 
     def _make_group(self, request: int, tokens: list[int], p: SamplingParams) -> list[Sequence]:
         seqs = []
