@@ -191,14 +191,23 @@ def _global_rank() -> int:
 
 
 # -- agreeing on inputs ------------------------------------------------------------------------------
+MAX_PARTS = 4  # the exchange has a fixed size, so a rank that failed early still matches the others
+
+
 class Agreement:
     """Collects what this rank is about to do; the group compares digests when the block ends."""
 
     def __init__(self) -> None:
-        self.digest = b"\0" * 32
+        self.parts: dict[str, int] = {}
 
-    def propose(self, *values: Any) -> None:
-        self.digest = hashlib.sha256(repr(values).encode()).digest()
+    def propose(self, **parts: Any) -> None:
+        """Named values every rank must agree on (compared by a 64-bit digest of their repr)."""
+        if len(parts) > MAX_PARTS:
+            raise ValueError(f"at most {MAX_PARTS} parts can be agreed on at once")
+        self.parts = {
+            name: int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8], "little", signed=True)
+            for name, v in parts.items()
+        }
 
 
 @contextmanager
@@ -206,8 +215,9 @@ def agreement(tp: TPGroup, what: str) -> Iterator[Agreement]:
     """Run a block (checks, normalisation) on every rank, then make the group agree on its outcome.
 
     If the block raised on any rank, every rank raises (the failing ones their own error, the others a
-    RuntimeError naming them); if the proposed values differ, every rank raises the same ValueError.
-    So bad or diverging inputs never leave part of the group waiting inside a forward pass.
+    RuntimeError naming them); if a proposed value differs, every rank raises the same ValueError.
+    So bad or diverging inputs never leave part of the group waiting inside a forward pass. Every rank
+    must propose the same names.
     """
     box = Agreement()
     if tp.size == 1:
@@ -221,25 +231,27 @@ def agreement(tp: TPGroup, what: str) -> Iterator[Agreement]:
         except CollectiveError:
             pass  # the peers will time out too; our own error is the useful one
         raise
-    states = _exchange(tp, box.digest)
-    failed = [i for i, s in enumerate(states) if s is None]
+    rows = _exchange(tp, list(box.parts.values()))
+    failed = [i for i, r in enumerate(rows) if r is None]
     if failed:
         raise RuntimeError(f"{what} raised on tensor-parallel rank(s) {failed} of group {list(tp.ranks)}")
-    differ = [i for i, s in enumerate(states) if s != states[0]]
+    differ = [i for i, r in enumerate(rows) if r != rows[0]]
     if differ:
+        names = [n for k, n in enumerate(box.parts) if any(r[k] != rows[0][k] for r in rows)]
         raise ValueError(
-            f"{what} differ between the ranks of one tensor-parallel group (ranks {differ} differ from "
-            f"rank 0 of group {list(tp.ranks)}): every rank of a group must pass identical inputs. "
-            f"Give each data-parallel group its own prompts (integrations.torchrun.DataParallelRollout) "
-            f"or pass the same batch on every rank"
+            f"{what}: the {' and '.join(names)} differ between the ranks of one tensor-parallel group "
+            f"(ranks {differ} differ from rank 0 of group {list(tp.ranks)}). Every rank of a group must "
+            f"make the same engine calls (generate, flush_cache, weight updates, release/resume) with the "
+            f"same arguments; give each data-parallel group its own prompts "
+            f"(integrations.torchrun.DataParallelRollout)"
         )
 
 
-def _exchange(tp: TPGroup, digest: bytes | None) -> list[bytes | None]:
-    """Every rank's digest (None where the rank failed), through one small all_gather."""
-    row = torch.zeros(33, dtype=torch.int64)
-    if digest is not None:
+def _exchange(tp: TPGroup, digests: list[int] | None) -> list[list[int] | None]:
+    """Every rank's digests (None where the rank failed), through one small all_gather."""
+    row = torch.zeros(1 + MAX_PARTS, dtype=torch.int64)
+    if digests is not None:
         row[0] = 1
-        row[1:] = torch.tensor(list(digest), dtype=torch.int64)
-    rows = tp.all_gather(row.to(tp.device).unsqueeze(0), dim=0).cpu()
-    return [bytes(r[1:].tolist()) if r[0] else None for r in rows]
+        row[1 : 1 + len(digests)] = torch.tensor(digests, dtype=torch.int64)
+    rows = tp.all_gather(row.to(tp.device).unsqueeze(0), dim=0).cpu().tolist()
+    return [r[1:] if r[0] else None for r in rows]

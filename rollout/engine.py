@@ -139,7 +139,7 @@ class Engine(MemoryMixin):
             if self.tokenizer is None and any(p.stop_strings for p in params):
                 raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
             self._check_ready()
-            agreed.propose(token_lists, params)
+            agreed.propose(inputs=(token_lists, params), engine_state=self._schedule_state())
         groups = [self._make_group(i, tokens, p) for i, (tokens, p) in enumerate(zip(token_lists, params))]
         for group in groups:
             self.scheduler.add(group[0], group[1:])
@@ -149,6 +149,10 @@ class Engine(MemoryMixin):
             self._request_output(g, tokens, text)
             for g, tokens, text in zip(groups, token_lists, texts or [None] * len(groups))
         ]
+
+    def _schedule_state(self) -> tuple:
+        """What, besides the inputs, decides the schedule and the seeds (equal on the ranks of a group)."""
+        return self._rng.getstate(), len(self.pages.index), self.pages.available(), self.kv.num_pages
 
     def _make_group(self, request: int, tokens: list[int], p: SamplingParams) -> list[Sequence]:
         seqs = []

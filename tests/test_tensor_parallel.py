@@ -153,6 +153,28 @@ def rank_inputs_disagree(path: str):
     return errors, after
 
 
+def rank_release_resume(path: str):
+    import torch.distributed as dist
+
+    engine = Engine(path, tp_size=2, tp_timeout=30, **ENGINE)
+    before = run_params(engine)
+    engine.release_memory_occupation(keep_weights_backup=True)  # every rank releases and resumes
+    engine.resume_memory_occupation()
+    after = run_params(engine)
+    if dist.get_rank() == 1:  # one rank alone released: the group refuses to generate, on both ranks
+        engine.release_memory_occupation(tags="kv_cache")
+    errors = []
+    for _ in range(2):
+        try:
+            engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            errors.append(None)
+        except (RuntimeError, ValueError) as e:
+            errors.append(str(e))
+        engine.resume_memory_occupation()  # rank 1's prefix cache is empty now, rank 0's is not
+    engine.flush_cache()  # on every rank: equal states again
+    return before == after, errors, run_params(engine) == before
+
+
 def rank_one_raises(path: str, timeout: float):
     import torch.distributed as dist
 
@@ -264,10 +286,22 @@ def test_ranks_with_different_inputs_all_raise(cluster, ckpts):
     (errors0, after0), (errors1, after1) = cluster.values(rank_inputs_disagree, ckpts["qwen3-tied"])
     differ0, bad0 = errors0
     differ1, bad1 = errors1
-    assert differ0 == differ1 and differ0[0] == "ValueError" and "differ between the ranks" in differ0[1]
+    assert differ0 == differ1 and differ0[0] == "ValueError"
+    assert differ0[1].startswith("generate inputs: the inputs differ between the ranks")
     assert bad1[0] == "ValueError" and "outside the vocabulary" in bad1[1]  # rank 1's own error
     assert bad0 == ("RuntimeError", "generate inputs raised on tensor-parallel rank(s) [1] of group [0, 1]")
     assert after0 == after1 and len(after0) == GREEDY.max_new_tokens  # the engines stay usable
+
+
+def test_release_resume_on_every_rank(cluster, ckpts):
+    (same0, errors0, again0), (same1, errors1, again1) = cluster.values(
+        rank_release_resume, ckpts["qwen3-tied"]
+    )
+    assert same0 and same1 and again0 and again1
+    assert errors1[0].startswith("cannot generate: the engine's memory is released (kv_cache)")
+    assert errors0[0] == "generate inputs raised on tensor-parallel rank(s) [1] of group [0, 1]"
+    assert errors0[1] == errors1[1]
+    assert errors0[1].startswith("generate inputs: the engine_state differ between the ranks")
 
 
 def test_a_failing_rank_makes_the_other_fail(cluster, ckpts):
