@@ -198,16 +198,19 @@ class Agreement:
     """Collects what this rank is about to do; the group compares digests when the block ends."""
 
     def __init__(self) -> None:
-        self.parts: dict[str, int] = {}
+        self.parts: dict[str, Any] = {}
 
     def propose(self, **parts: Any) -> None:
         """Named values every rank must agree on (compared by a 64-bit digest of their repr)."""
         if len(parts) > MAX_PARTS:
             raise ValueError(f"at most {MAX_PARTS} parts can be agreed on at once")
-        self.parts = {
-            name: int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8], "little", signed=True)
-            for name, v in parts.items()
-        }
+        self.parts = parts
+
+    def digests(self) -> list[int]:
+        return [
+            int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:8], "little", signed=True)
+            for v in self.parts.values()
+        ]
 
 
 @contextmanager
@@ -221,7 +224,7 @@ def agreement(tp: TPGroup, what: str) -> Iterator[Agreement]:
     """
     box = Agreement()
     if tp.size == 1:
-        yield box
+        yield box  # nothing to agree with (and nothing hashed)
         return
     try:
         yield box
@@ -231,7 +234,7 @@ def agreement(tp: TPGroup, what: str) -> Iterator[Agreement]:
         except CollectiveError:
             pass  # the peers will time out too; our own error is the useful one
         raise
-    rows = _exchange(tp, list(box.parts.values()))
+    rows = _exchange(tp, box.digests())
     failed = [i for i, r in enumerate(rows) if r is None]
     if failed:
         raise RuntimeError(f"{what} raised on tensor-parallel rank(s) {failed} of group {list(tp.ranks)}")
