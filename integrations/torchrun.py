@@ -199,7 +199,7 @@ class DataParallelRollout:
         if failed:
             r, msg = next(iter(failed.items()))
             raise RuntimeError(f"{what} failed on rank(s) {list(failed)}; rank {r}: {msg}")
-        return [report for _, report in states]
+        return [reported for _, reported in states]
 
     def _collect(self, mine: list[RequestOutput], dst: int | str | None) -> list[RequestOutput] | None:
         if dst is None:
