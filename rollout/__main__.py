@@ -15,6 +15,7 @@ PROMPTS = ["12+7=", "3*4=", "copy: abc ", "hello ", "99-9=", "2+2=", "the sky ",
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model", nargs="?", help="HF checkpoint folder (default: a built-in tiny random model)")
+    ap.add_argument("--generate", action="store_true", help="plain generation (the default job for now)")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=1.0)

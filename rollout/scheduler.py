@@ -54,33 +54,39 @@ class Scheduler:
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         budget, seqs, chunks = self.max_prefill_tokens, [], []
-        for seq in self.running:  # finish prefills already under way first
+        for seq in self.running:  # finish prefills already under way first (their pages are reserved)
             if seq.needs > 1 and budget > 0:
-                chunk = self._grow(seq, min(seq.needs, budget))
-                if chunk:
-                    seqs.append(seq), chunks.append(chunk)
-                    budget -= chunk
+                chunk = min(seq.needs, budget)
+                seqs.append(seq), chunks.append(chunk)
+                budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            self._attach_cached_prefix(seq)
-            chunk = self._grow(seq, min(seq.needs, budget))
-            if not chunk:
-                self._free(seq)
+            if not self._admit(seq):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            chunk = min(seq.needs, budget)
             seqs.append(seq), chunks.append(chunk)
             budget -= chunk
         return ScheduledBatch(seqs, chunks, decode=False) if seqs else None
 
+    def _admit(self, seq: Sequence) -> bool:
+        """Reserve pages for all of `seq`'s tokens, keeping one spare page per running sequence so the
+        next decode step does not preempt what was just admitted."""
+        self._attach_cached_prefix(seq)
+        missing = -(-seq.num_tokens // self.pages.page_size) - len(seq.pages)
+        if missing > self.pages.available() - len(self.running):
+            self._free(seq)
+            return False
+        seq.pages += self.pages.allocate(missing)
+        return True
+
     def _decode_batch(self) -> ScheduledBatch | None:
-        if any(seq.needs > 1 for seq in self.running):
-            return None  # a prefill is stuck for pages: preempt to make room
         seqs, i = [], 0
         while i < len(self.running):
             seq = self.running[i]
-            if self._grow(seq, 1):
+            if self._grow(seq):
                 seqs.append(seq)
                 i += 1
                 continue
@@ -102,15 +108,15 @@ class Scheduler:
         seq.pages, seq.num_indexed_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.pages.page_size
 
-    def _grow(self, seq: Sequence, want: int) -> int:
-        """Give `seq` pages for up to `want` more tokens; returns how many fit."""
-        S = self.pages.page_size
-        room = len(seq.pages) * S - seq.num_computed
-        fit = min(want, room + self.pages.available() * S)
-        extra = -(-(fit - room) // S) if fit > room else 0
-        if extra:
-            seq.pages += self.pages.allocate(extra)
-        return fit
+    def _grow(self, seq: Sequence) -> bool:
+        """Make room for one more token of `seq`; False when the pool has no page left."""
+        if seq.num_computed < len(seq.pages) * self.pages.page_size:
+            return True
+        page = self.pages.allocate(1)
+        if page is None:
+            return False
+        seq.pages += page
+        return True
 
     def _free(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)

@@ -25,11 +25,10 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type != "cuda":
         return "torch"
-    if importlib.util.find_spec("flashinfer") is not None and _importable(
-        "rollout.attention.flashinfer_backend"
-    ):
-        return "flashinfer"
-    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    for candidate in ("flashinfer", "triton"):
+        if importlib.util.find_spec(candidate) is not None and _importable(BACKENDS[candidate].split(":")[0]):
+            return candidate
+    return "torch"
 
 
 def _importable(module: str) -> bool:
