@@ -22,6 +22,7 @@ from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.requests import check_lengths, check_prompts, normalize_params, normalize_prompts
+from rollout.runner.graphs import GraphRunner
 from rollout.runner.model_runner import ModelRunner, StepOutput
 from rollout.sampling import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler
@@ -66,11 +67,20 @@ class Engine(MemoryMixin):
         self.scheduler = Scheduler(
             self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
         )
-        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device)
+        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
         backend = backend_class(self.backend_name)(
             self.kv, mc.num_heads // tp.size, mc.head_dim, mc.head_dim**-0.5
         )
-        self.runner = ModelRunner(self.model, backend, mc.vocab_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            mc.vocab_size,
+            self.device,
+            max_model_len=self.max_model_len,
+            max_running=cfg.max_running_requests,
+        )
+        if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
+            self.runner.graphs = self._capture_graphs(backend)
         self._rng = random.Random(cfg.seed)
         self._next_seq_id = 0
         self.weight_version = 0
@@ -106,7 +116,7 @@ class Engine(MemoryMixin):
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * cfg.mem_fraction - (total - free) - GPU_RESERVE_BYTES
-            num_pages = int(budget // page_bytes)
+            num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
                 raise ValueError(
                     f"mem_fraction={cfg.mem_fraction} leaves no room for a KV cache "
@@ -116,6 +126,21 @@ class Engine(MemoryMixin):
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
         num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
         return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+
+    def _capture_graphs(self, backend: Any) -> GraphRunner:
+        cfg, mc = self.config, self.model_config
+        graphs = GraphRunner(
+            self.model,
+            backend,
+            max_bs=min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests),
+            max_pages=-(-self.max_model_len // cfg.page_size),
+            hidden_size=mc.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+            capture_context=self.memory_saver.cuda_graph,  # tags the graph memory "cuda_graph"
+        )
+        graphs.capture()
+        return graphs
 
     @property
     def pool_tokens(self) -> int:

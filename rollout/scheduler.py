@@ -132,13 +132,14 @@ class Scheduler:
     # -- after the model ran ----------------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Account for the computed chunks; returns the sequences that now sample a token."""
-        ready = []
+        ready, S = [], self.pages.page_size
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_computed += chunk
-            seq.num_indexed_pages = self.pages.register(
-                seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
-            )
-            if seq.num_computed == seq.num_tokens:
+            if seq.num_computed // S > seq.num_indexed_pages:  # a page was filled: index it
+                seq.num_indexed_pages = self.pages.register(
+                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
+                )
+            if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)
                 if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
                     self.waiting.extendleft(reversed(seq.followers))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from rollout.outputs import FinishReason
 from rollout.sampling import SamplingParams
 
@@ -63,3 +65,21 @@ class Sequence:
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
         x ^= x >> 31
         return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+_U64 = [
+    np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+]
+
+
+def uniforms(seqs: list[Sequence]) -> np.ndarray:
+    """`Sequence.uniform()` of every sequence at once (float64 [N], bit-identical): uint64 numpy
+    arithmetic wraps exactly like the `& MASK64` of the scalar version."""
+    n = len(seqs)
+    seed = np.fromiter((s.seed & MASK64 for s in seqs), dtype=np.uint64, count=n)
+    draw = np.fromiter((len(s.token_ids) - s.num_prompt + 1 for s in seqs), dtype=np.uint64, count=n)
+    x = seed * _U64[0] + draw * _U64[1]
+    x = (x ^ (x >> np.uint64(30))) * _U64[2]
+    x = (x ^ (x >> np.uint64(27))) * _U64[3]
+    x ^= x >> np.uint64(31)
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)

@@ -16,12 +16,12 @@ def tokens(outs):
 
 @pytest.fixture(scope="module")
 def alone(qwen3_dir):
-    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096)
+    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32")
     return [engine.generate(input_ids=p, sampling_params=GREEDY)[0] for p in PROMPTS]
 
 
 def test_mixed_batch_equals_each_alone(qwen3_dir, alone, hf_models):
-    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096)
+    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32")
     outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert tokens(outs) == tokens(alone)
     assert outs[0].outputs[0].token_ids == hf_greedy(hf_models["qwen3"], PROMPTS[0], 20)
@@ -38,7 +38,7 @@ def test_chunked_prefill_and_small_running_cap(qwen3_dir, alone):
 
 
 def test_n_samples_share_the_prompt(qwen3_dir, alone):
-    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096)
+    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32")
     n4 = SamplingParams(n=4, temperature=0, max_new_tokens=20, ignore_eos=True)
     outs = engine.generate(input_ids=[PROMPTS[3]], sampling_params=n4)
     assert [c.token_ids for c in outs[0].outputs] == [alone[3].outputs[0].token_ids] * 4
@@ -47,7 +47,7 @@ def test_n_samples_share_the_prompt(qwen3_dir, alone):
 
 
 def test_prefix_cache_across_calls_until_flush(qwen3_dir, alone):
-    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096)
+    engine = Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32")
     first = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     cold = engine.last_stats["prefill_tokens"]
     second = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -71,7 +71,7 @@ def test_preemption_recomputes_and_completes(qwen3_dir, alone):
 
 def test_sampled_preemption_keeps_seeded_tokens(qwen3_dir):
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, ignore_eos=True, seed=11)
-    roomy = Engine(qwen3_dir, page_size=4, max_total_tokens=4096).generate(
+    roomy = Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32").generate(
         input_ids=PROMPTS, sampling_params=params
     )
     tight_engine = Engine(qwen3_dir, page_size=4, max_total_tokens=64)

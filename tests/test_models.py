@@ -17,7 +17,7 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 @pytest.fixture(scope="module")
 def engines(checkpoints):
-    return {f: Engine(checkpoints[f], page_size=4, max_total_tokens=2048) for f in FAMILIES}
+    return {f: Engine(checkpoints[f], page_size=4, max_total_tokens=2048, dtype="float32") for f in FAMILIES}
 
 
 def prefill_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -39,7 +39,7 @@ def test_prefill_logits_match_transformers(family, engines, hf_models):
     ours = prefill_logits(engines[family], prompt)
     with torch.no_grad():
         ref = hf_models[family](torch.tensor([prompt])).logits[0].float()
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.cpu(), ref, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,7 +66,7 @@ def test_sharded_checkpoint_and_bfloat16(tmp_path, hf_models):
         tmp_path / "sharded", "qwen3", seed=4, tie_word_embeddings=True, max_shard_size="100KB"
     )
     assert (folder / "model.safetensors.index.json").exists()
-    engine = Engine(str(folder), max_total_tokens=512)
+    engine = Engine(str(folder), max_total_tokens=512, dtype="float32")
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     assert engine.generate(input_ids=PROMPTS[0], sampling_params=params)[0].outputs[0].token_ids == hf_greedy(
         hf_models["qwen3"], PROMPTS[0], 8

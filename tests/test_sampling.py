@@ -79,7 +79,7 @@ def test_greedy_rows_beside_sampled_rows():
 
 @pytest.fixture(scope="module")
 def engine(qwen3_dir):
-    return Engine(qwen3_dir, page_size=4, max_total_tokens=4096)
+    return Engine(qwen3_dir, page_size=4, max_total_tokens=4096, dtype="float32")
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine):

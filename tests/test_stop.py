@@ -64,7 +64,18 @@ def test_length_and_top_logprobs(engine, free_run):
 def test_default_job_runs(tmp_path):
     env = {**os.environ, "ROLLOUT_CACHE": str(tmp_path)}
     res = subprocess.run(
-        [sys.executable, "-m", "rollout", "--generate", "--n", "2", "--max-new-tokens", "8"],
+        [
+            sys.executable,
+            "-m",
+            "rollout",
+            "--generate",
+            "--device",
+            "cpu",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rollout.cache.pool import KVPool
@@ -28,6 +29,7 @@ class AttnBatch:
     slot_mapping: torch.Tensor  # int64 [T]: page * page_size + offset of each new token
     max_q_len: int
     max_seq_len: int
+    page_table_cpu: np.ndarray | None = None  # int32 [B, >= pages used]: host copy (flashinfer plans from it)
 
     @property
     def batch_size(self) -> int:
@@ -37,12 +39,23 @@ class AttnBatch:
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache. `begin` runs once a step, `forward` once a layer."""
 
+    # whether decode steps may be captured in CUDA graphs (see begin_graph)
+    supports_cuda_graph: bool = False
+
     def __init__(self, kv: KVPool, num_heads: int, head_dim: int, sm_scale: float):
         self.kv, self.num_heads, self.head_dim, self.sm_scale = kv, num_heads, head_dim, sm_scale
 
     def begin(self, batch: AttnBatch) -> Any:
         """Per-step metadata handed back to `forward` (default: the batch itself)."""
         return batch
+
+    def begin_graph(self, batch: AttnBatch) -> Any:
+        """`begin` for a decode batch of a captured CUDA-graph size: its device tensors are the graph's
+        static buffers and page_table_cpu / seq_lens_cpu are set. Called before capture (the metadata
+        returned is captured) and again before each replay with the new step's values, so whatever it
+        does on the device must write into buffers of fixed address. Padding rows have seq_len 0 and
+        the pool's scratch page in column 0; their output is discarded."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     @abstractmethod
     def forward(

@@ -16,7 +16,7 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
     if name != "auto":
@@ -25,7 +25,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type != "cuda":
         return "torch"
-    for candidate in ("flashinfer", "triton"):
+    # flashinfer has no float32 kernels
+    half = dtype in (None, torch.float16, torch.bfloat16)
+    for candidate in ("flashinfer", "triton") if half else ("triton",):
         if importlib.util.find_spec(candidate) is not None and _importable(BACKENDS[candidate].split(":")[0]):
             return candidate
     return "torch"

@@ -6,6 +6,9 @@ import torch
 
 
 class KVPool:
+    """`num_pages` pages for sequences plus one scratch page (index `scratch_page`, never handed out):
+    padding rows of a CUDA-graph batch write their k/v there and attend to it."""
+
     def __init__(
         self,
         num_layers: int,
@@ -18,13 +21,14 @@ class KVPool:
     ):
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.dtype, self.device = num_kv_heads, head_dim, dtype, device
+        self.scratch_page = num_pages
         self.data: torch.Tensor | None = None
         self.allocate()
 
     @property
     def shape(self) -> tuple[int, ...]:
         # [layer, k|v, page, slot in page, kv head, head dim]
-        return (self.num_layers, 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.num_pages + 1, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def nbytes(self) -> int:

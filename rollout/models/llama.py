@@ -14,7 +14,9 @@ from torch import nn
 
 from rollout.attention.base import AttentionBackend
 from rollout.distributed import SINGLE, TPGroup
+from rollout.layers import fused
 from rollout.layers.embedding import LMHead, VocabEmbedding
+from rollout.layers.fused import use_fused
 from rollout.layers.linear import ColumnLinear, RowLinear
 from rollout.layers.norm import RMSNorm
 from rollout.layers.rotary import Rotary
@@ -69,7 +71,10 @@ class Attention(nn.Module):
         q, k, v = q.view(-1, Hq, D), k.view(-1, Hkv, D), v.view(-1, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos_sin), rope(k, cos_sin)
+        if use_fused(q):  # both rotations in one kernel (see layers/fused.py)
+            q, k = fused.rope(q, k, cos_sin)
+        else:
+            q, k = rope(q, cos_sin), rope(k, cos_sin)
         o = ctx.backend.forward(q, k, v, self.layer, ctx.meta)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, Hq * D))
 
@@ -92,7 +97,10 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, device=device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).split(self.local_inter, dim=-1)
+        gate_up = self.gate_up_proj(h)
+        if use_fused(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.local_inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,4 +1,10 @@
-"""Turns a scheduled batch into tensors, runs the model and samples: the device side of a step."""
+"""Turns a scheduled batch into tensors, runs the model and samples: the device side of a step.
+
+Host work per step is numpy over the batch (no per-request tensor work): the page table comes from a
+mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
+non-blocking copy (transfer.py). Decode steps that fit a captured CUDA graph write straight into its
+static buffers.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,11 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.models.llama import ForwardContext
+from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
+from rollout.runner.transfer import to_device
 from rollout.scheduler import ScheduledBatch
+from rollout.sequence import uniforms
 
 
 @dataclass
@@ -18,8 +27,27 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttnBatch
-    logit_rows: torch.Tensor  # int64 [N]: rows of the hidden states whose next token is sampled
+    logit_rows: torch.Tensor | slice  # rows of the hidden states whose next token is sampled
     sampling: SamplingBatch | None
+    graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
+
+
+@dataclass
+class HostBatch:
+    """One step's integers on the host (numpy), before they go to the device."""
+
+    decode: bool
+    ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int64 [B]
+    q_lens: list[int]
+    page_table: np.ndarray  # int32 [B, max_pages]
+    sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
 
 
 @dataclass
@@ -33,70 +61,94 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, backend: AttentionBackend, vocab_size: int, device: torch.device
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        max_model_len: int = 4096,
+        max_running: int = 256,
     ):
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.page_size = backend.kv.page_size
-        self._pin = device.type == "cuda"
+        self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
+        self.graphs = None  # a GraphRunner (graphs.py) once decode graphs are captured
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+    # -- host side --------------------------------------------------------------------------------
+    def host_batch(self, batch: ScheduledBatch) -> HostBatch:
+        seqs, S = batch.seqs, self.page_size
+        B = len(seqs)
+        rows = self.page_table.rows(seqs)
+        starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=B)
+        if batch.decode:
+            ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=B)
+            positions, seq_lens = starts, starts + 1
+            sampled = np.arange(B)
+        else:
+            chunks = np.asarray(batch.chunks, dtype=np.int64)
+            seq_lens = starts + chunks
+            ids = np.concatenate([s.token_ids[a : a + c] for s, a, c in zip(seqs, starts, chunks)])
+            positions = np.arange(len(ids)) - np.repeat(np.cumsum(chunks) - chunks - starts, chunks)
+            totals = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
+            sampled = np.flatnonzero(seq_lens == totals)
+        table = self.page_table.gather(rows, int(-(-seq_lens.max() // S)))
+        owner = np.repeat(np.arange(B), batch.chunks) if not batch.decode else np.arange(B)
+        slots = table[owner, positions // S].astype(np.int64) * S + positions % S
+        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        S = self.page_size
-        starts = np.fromiter((s.num_computed for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-        chunks = np.asarray(batch.chunks, dtype=np.int64)
-        seq_lens = starts + chunks
-        if batch.decode:
-            ids = np.fromiter((s.token_ids[-1] for s in batch.seqs), dtype=np.int64, count=len(batch.seqs))
-            positions = starts
-        else:
-            ids = np.concatenate([s.token_ids[a : a + c] for s, a, c in zip(batch.seqs, starts, chunks)])
-            positions = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, chunks)])
-        max_pages = int((seq_lens.max() + S - 1) // S)
-        table = np.zeros((len(batch.seqs), max_pages), dtype=np.int32)
-        for row, seq in zip(table, batch.seqs):
-            row[: len(seq.pages)] = seq.pages[:max_pages]
-        owner = np.repeat(np.arange(len(batch.seqs)), chunks)
-        slots = table[owner, positions // S].astype(np.int64) * S + positions % S
-        cu = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
-        np.cumsum(chunks, out=cu[1:])
-        sampled = [i for i, s in enumerate(batch.seqs) if s.num_computed + batch.chunks[i] == s.num_tokens]
-        attn = AttnBatch(
-            decode=batch.decode,
-            q_lens=batch.chunks,
-            seq_lens_cpu=seq_lens.tolist(),
-            page_table=self._to_device(table),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            cu_seqlens_q=self._to_device(cu),
-            slot_mapping=self._to_device(slots),
-            max_q_len=int(chunks.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        seqs = [batch.seqs[i] for i in sampled]
+        host = self.host_batch(batch)
+        seqs = batch.seqs if host.decode else [batch.seqs[i] for i in host.sampled.tolist()]
         sampling = (
-            SamplingBatch.build(
-                [s.params for s in seqs], [s.uniform() for s in seqs], self.vocab_size, self.device
-            )
+            SamplingBatch.build([s.params for s in seqs], uniforms(seqs), self.vocab_size, self.device)
             if seqs
             else None
         )
-        return StepInputs(
-            self._to_device(ids),
-            self._to_device(positions),
-            attn,
-            self._to_device(cu[1:][sampled].astype(np.int64) - 1),
-            sampling,
-        )
+        if host.decode and self.graphs is not None and self.graphs.fits(host.batch_size):
+            return self.graphs.load(host, sampling)
+        return self._device_inputs(host, sampling)
 
+    def _device_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
+        B = host.batch_size
+        cu = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(host.q_lens, out=cu[1:])
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens = to_device(
+            [
+                host.ids,
+                host.positions,
+                host.slots,
+                cu[1:][host.sampled].astype(np.int64) - 1,
+                host.page_table,
+                host.seq_lens.astype(np.int32),
+                cu,
+            ],
+            self.device,
+        )
+        attn = AttnBatch(
+            decode=host.decode,
+            q_lens=host.q_lens,
+            seq_lens_cpu=host.seq_lens.tolist(),
+            page_table=page_table,
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens,
+            slot_mapping=slots,
+            max_q_len=max(host.q_lens),
+            max_seq_len=int(host.seq_lens.max()),
+            page_table_cpu=host.page_table,
+        )
+        # decode samples every row: a slice avoids a gather
+        return StepInputs(ids, positions, attn, slice(0, B) if host.decode else rows, sampling)
+
+    # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that sample."""
-        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if inputs.graph_bs is not None:
+            hidden = self.graphs.replay(inputs)
+        else:
+            ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.logits(hidden[inputs.logit_rows])
 
     @torch.inference_mode()

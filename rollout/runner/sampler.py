@@ -6,10 +6,13 @@ request's seed and output index, so a seeded sample does not depend on the rest 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from rollout.runner.transfer import to_device
 from rollout.sampling import SamplingParams
 
 
@@ -27,27 +30,29 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], uniforms: list[float], vocab: int, device: torch.device
+        cls, params: list[SamplingParams], uniforms: Sequence[float], vocab: int, device: torch.device
     ) -> SamplingBatch:
-        pin = device.type == "cuda"
-        rows = torch.tensor(
-            [[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32, pin_memory=pin
-        )
-        ints = torch.tensor(
-            [p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int64, pin_memory=pin
-        )
-        us = torch.tensor(uniforms, dtype=torch.float64, pin_memory=pin)
-        rows, ints, us = (t.to(device, non_blocking=True) for t in (rows, ints, us))
+        # a batch usually holds a handful of distinct SamplingParams objects (one per generate call or
+        # prompt): per-row values are gathered from them with numpy and sent in one copy
+        distinct = list({id(p): p for p in params}.values())
+        if len(distinct) == 1:
+            which = np.zeros(len(params), dtype=np.int64)
+        else:
+            slot = {id(p): i for i, p in enumerate(distinct)}
+            which = np.fromiter((slot[id(p)] for p in params), dtype=np.int64, count=len(params))
+        floats = np.array([[p.temperature, p.top_p, p.min_p] for p in distinct], dtype=np.float32)[which]
+        top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in distinct], dtype=np.int64)[which]
+        rows, ints, us = to_device([floats, top_k, np.asarray(uniforms, dtype=np.float64)], device)
         return cls(
             temperatures=rows[:, 0],
             top_p=rows[:, 1],
             min_p=rows[:, 2],
             top_k=ints,
             uniforms=us,
-            all_greedy=all(p.greedy for p in params),
-            needs_sort=any(p.needs_sort for p in params),
-            needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
-            num_top_logprobs=max(p.top_logprobs for p in params),
+            all_greedy=all(p.greedy for p in distinct),
+            needs_sort=any(p.needs_sort for p in distinct),
+            needs_min_p=any(p.min_p > 0 and not p.greedy for p in distinct),
+            num_top_logprobs=max(p.top_logprobs for p in distinct),
         )
 
 

@@ -1,0 +1,172 @@
+"""Decode step latency against the memory-bandwidth floor, with and without CUDA graphs.
+
+B sequences each hold a `--context`-token KV cache (pages allocated; the values do not matter for
+speed) and decode one token per step. For each batch size:
+
+  forward  model forward + logits for one step (wall time, synchronised; host launch cost included)
+  step     the whole step as the engine runs it: prepare, forward, sampling, one copy to the host
+  floor    (weight bytes + KV bytes read) / copy bandwidth, the bandwidth measured in this run by a
+           large device-to-device copy (bytes read + written per second)
+
+plus the CUDA-graph capture time and memory.
+
+    python scripts/bench_decode.py --model qwen2.5-0.5b --batch-sizes 1 64 256 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import SHAPES, bench_model  # noqa: E402
+
+from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.scheduler import ScheduledBatch  # noqa: E402
+from rollout.sequence import Sequence, Status  # noqa: E402
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Bytes moved per second (read + write) by a large device-to-device copy."""
+    if device.type != "cuda":  # a dry run of the script on a CPU
+        nbytes, reps = 64 << 20, 3
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), reps)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (a tied embedding is read once, as the LM head)."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def kv_bytes(engine: Engine, batch: int, tokens: int) -> int:
+    kv = engine.kv
+    return batch * tokens * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
+
+
+def decode_batch(engine: Engine, batch: int, context: int, seed: int) -> ScheduledBatch:
+    """`batch` running sequences with `context` tokens cached and one new token to decode."""
+    rng = np.random.default_rng(seed)
+    vocab, S = engine.model_config.vocab_size, engine.kv.page_size
+    params = SamplingParams(temperature=1.0, max_new_tokens=1 << 20, ignore_eos=True)
+    seqs = []
+    for i in range(batch):
+        tokens = rng.integers(0, vocab, context + 1).tolist()
+        seq = Sequence(1_000_000 + seed * 10_000 + i, i, 0, tokens, len(tokens), params, seed + i)
+        seq.pages = engine.pages.allocate(-(-(context + 1) // S))
+        if seq.pages is None:
+            raise ValueError("the KV pool is too small for this batch; lower --context or batch sizes")
+        seq.num_computed, seq.status = context, Status.RUNNING
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * batch, decode=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    """Seconds per call, synchronised, after a warm-up."""
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b", help=f"a checkpoint folder or one of {sorted(SHAPES)}")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (numbers meaningless)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    folder = bench_model(args.model) if args.model in SHAPES else Path(args.model)
+    bandwidth = copy_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copy buffers
+    max_bs = max(args.batch_sizes)
+    pages_per_seq = -(-(args.context + 1) // 16)
+    engine = Engine(
+        str(folder),
+        device=args.device,
+        attention_backend=args.backend,
+        max_running_requests=max_bs,
+        max_total_tokens=(pages_per_seq * 16) * sum(args.batch_sizes) + 4096,
+    )
+    graphs = engine.runner.graphs
+    weights = weight_bytes(engine.model)
+    info = {
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "backend": engine.backend_name,
+        "torch": torch.__version__,
+        "copy_bandwidth_TBps": bandwidth / 1e12,
+        "weight_GB": weights / 1e9,
+        "context": args.context,
+        "graph_capture_s": graphs.capture_seconds if graphs else None,
+        "graph_memory_MiB": graphs.memory_bytes / 2**20 if graphs else None,
+        "graph_sizes": len(graphs.graphs) if graphs else 0,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+    }
+    print(
+        f"{info['gpu']}, {args.model} ({weights / 1e9:.2f} GB of weights), backend {engine.backend_name}, "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, context {args.context}"
+    )
+    if graphs:
+        print(
+            f"graph capture: {len(graphs.graphs)} sizes in {graphs.capture_seconds:.2f}s, "
+            f"{graphs.memory_bytes / 2**20:.0f} MiB"
+        )
+    head = ("batch", "graphs", "floor ms", "forward ms", "x floor", "step ms", "x floor")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (5, 6, 9, 10, 7, 8, 7))))
+    runner = engine.runner
+    for i, bs in enumerate(args.batch_sizes):
+        batch = decode_batch(engine, bs, args.context, seed=i)
+        floor = (weights + kv_bytes(engine, bs, args.context + 1)) / bandwidth
+        for use_graphs in [True, False] if graphs else [False]:
+            runner.graphs = graphs if use_graphs else None
+            with torch.inference_mode():
+                inputs = runner.prepare(batch)
+                forward = timed(lambda inputs=inputs: runner.forward_logits(inputs), args.reps)
+                step = timed(lambda batch=batch: runner.step(batch), args.reps)
+            row = dict(
+                batch=bs,
+                graphs=use_graphs,
+                floor_ms=floor * 1e3,
+                forward_ms=forward * 1e3,
+                forward_x=forward / floor,
+                step_ms=step * 1e3,
+                step_x=step / floor,
+            )
+            info["rows"].append(row)
+            print(
+                f"{bs:>5} {str(use_graphs):>6} {floor * 1e3:>9.3f} {forward * 1e3:>10.3f} "
+                f"{forward / floor:>7.2f} {step * 1e3:>8.3f} {step / floor:>7.2f}"
+            )
+        runner.graphs = graphs
+        for seq in batch.seqs:
+            engine.pages.release(seq.pages)
+    if args.json:
+        Path(args.json).write_text(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()

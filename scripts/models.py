@@ -1,0 +1,68 @@
+"""Random checkpoints with the real shapes of small Qwen models, for benchmarks (speed does not depend on
+the weight values). Each is made once with a transformers config, in bfloat16, and kept in a cache folder.
+
+    python scripts/models.py qwen2.5-0.5b            # prints the folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+# The published configs' shapes (vocab 151936; Qwen2.5-0.5B/1.5B and Qwen3-0.6B tie their embeddings).
+SHAPES = {
+    "qwen2.5-0.5b": dict(
+        cls="Qwen2Config", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+    "qwen2.5-1.5b": dict(
+        cls="Qwen2Config", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+        rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+    "qwen3-0.6b": dict(
+        cls="Qwen3Config", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+COMMON = dict(vocab_size=151936, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOUT_BENCH_CACHE", Path.home() / ".cache" / "rollout" / "bench"))
+
+
+def bench_model(name: str, folder: Path | None = None) -> Path:
+    """The folder of a random `name`-shaped bf16 checkpoint, made on first use."""
+    import torch
+    import transformers
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
+    folder = Path(folder or cache_dir() / name)
+    if (folder / "config.json").exists():
+        return folder
+    shape = dict(SHAPES[name])
+    config = getattr(transformers, shape.pop("cls"))(**COMMON, **shape)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of 1.5B params is slow on a CPU
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(str(tmp))
+    tmp.rename(folder)  # complete folders only: an interrupted save is redone next time
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    for name in ap.parse_args().names:
+        print(bench_model(name))
+
+
+if __name__ == "__main__":
+    main()

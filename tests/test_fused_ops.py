@@ -1,0 +1,95 @@
+"""Fused Triton RMSNorm / rotary / SiLU-and-mul against the torch code they replace.
+
+Without CUDA they run in the Triton interpreter, whose float32 -> bfloat16 conversion is not
+round-to-nearest (an ulp off at times), so bf16 is compared to 2 ulp there; float32 and float16 must
+agree to float32 reassociation (float16 rounding is exact in the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from rollout.layers import fused
+from rollout.layers.norm import RMSNorm
+from rollout.layers.rotary import Rotary
+from rollout.models.llama import rope
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def check(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:  # one ulp of the output dtype (two for bf16 in the interpreter), float32 noise otherwise
+        ulp = torch.finfo(ref.dtype).eps * (2 if ref.dtype == torch.bfloat16 else 1)
+        torch.testing.assert_close(got.float(), ref.float(), atol=1e-3, rtol=ulp)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.norm.RMSNorm's torch path (as in transformers)."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def qkv_views(T: int, hq: int, hkv: int, d: int, dtype: torch.dtype):
+    """q [T, hq, d] and k [T, hkv, d] as strided views of one fused projection, like the model's."""
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(T, hq, d), k.view(T, hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_on_rows_and_strided_heads(dtype):
+    torch.manual_seed(0)
+    weight = torch.empty(896, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
+    x = torch.randn(7, 896, device=DEVICE).to(dtype) * 3
+    check(fused.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6))
+    head_weight = torch.empty(64, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
+    q, _ = qkv_views(5, 7, 1, 64, dtype)  # Qwen3's per-head q_norm on a strided view
+    out = fused.rms_norm(q, head_weight, 1e-6)
+    assert out.is_contiguous()
+    check(out, torch_rms_norm(q, head_weight, 1e-6))
+    if DEVICE == "cuda":  # the module takes the fused path on a GPU
+        norm = RMSNorm(896, 1e-6, dtype=dtype, device=DEVICE)
+        norm.weight.data.copy_(weight)
+        check(norm(x), torch_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(7, 1, 64), (4, 2, 128), (4, 4, 16)])
+def test_rope_matches_the_torch_rotation(dtype, heads):
+    torch.manual_seed(1)
+    hq, hkv, d = heads
+    q, k = qkv_views(6, hq, hkv, d, dtype)
+    rotary = Rotary(d, 4096, 1e6, None, device=DEVICE)
+    cos_sin = rotary.cos_sin[torch.tensor([0, 1, 15, 16, 1000, 4095], device=DEVICE)]
+    gq, gk = fused.rope(q, k, cos_sin)
+    check(gq, rope(q, cos_sin))
+    check(gk, rope(k, cos_sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    torch.manual_seed(2)
+    gate_up = torch.randn(5, 2 * 1300, device=DEVICE).to(dtype) * 4  # > one 1024 block per row
+    gate, up = gate_up.split(1300, dim=-1)
+    check(fused.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_empty_batches():
+    q, k = qkv_views(0, 4, 2, 32, torch.float32)
+    gq, gk = fused.rope(q, k, torch.zeros(0, 32, device=DEVICE))
+    assert gq.shape == (0, 4, 32) and gk.shape == (0, 2, 32)
+    assert fused.silu_mul(torch.zeros(0, 8, device=DEVICE)).shape == (0, 4)
+    empty = torch.zeros(0, 8, device=DEVICE)
+    assert fused.rms_norm(empty, torch.ones(8, device=DEVICE), 1e-6).shape == (0, 8)
