@@ -2,7 +2,8 @@
 
 from rollout.engine import Engine
 from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.process import EngineProcess
 from rollout.sampling import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

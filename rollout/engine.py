@@ -29,6 +29,7 @@ from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence
 from rollout.stop import check_finish
 from rollout.weights.loader import load_checkpoint
+from rollout.weights.updates import WeightsMixin
 
 log = logging.getLogger("rollout")
 
@@ -36,7 +37,7 @@ CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
 
 
-class Engine(MemoryMixin):
+class Engine(MemoryMixin, WeightsMixin):
     def __init__(self, model: str | Path, *, tp_group: Any = None, **options: Any):
         """`tp_group`: a ProcessGroup or 1-D DeviceMesh to shard the model over (default: groups of
         `tp_size` consecutive ranks of the torch.distributed world). See rollout/distributed.py."""

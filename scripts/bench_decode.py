@@ -86,6 +86,18 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def profile_steps(runner, batch: ScheduledBatch, steps: int = 10) -> None:
+    """Where a whole step's device time goes: the top kernels over a few steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.step(batch)
+        sync()
+    print(f"-- profile of {steps} steps at batch {len(batch.seqs)}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-0.5b", help=f"a checkpoint folder or one of {sorted(SHAPES)}")
@@ -94,6 +106,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of graph-replayed steps")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (numbers meaningless)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -162,6 +175,8 @@ def main() -> None:
                 f"{forward / floor:>7.2f} {step * 1e3:>8.3f} {step / floor:>7.2f}"
             )
         runner.graphs = graphs
+        if args.profile and device.type == "cuda":
+            profile_steps(runner, batch)
         for seq in batch.seqs:
             engine.pages.release(seq.pages)
     if args.json:

@@ -16,56 +16,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from rollout import Engine, SamplingParams
-from rollout.weights.loader import iter_checkpoint, load_tensors, safetensors_files
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import bench_model  # noqa: E402
+
+from rollout import Engine, SamplingParams  # noqa: E402
+from rollout.weights.loader import iter_checkpoint, load_tensors, safetensors_files  # noqa: E402
 
 GiB = 2**30
-
-
-def build_qwen25_15b(folder: Path) -> Path:
-    """A random bf16 checkpoint with Qwen2.5-1.5B's config and tensor shapes."""
-    from safetensors.torch import save_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if (folder / "config.json").exists():
-        return folder
-    cfg = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151643,
-    )
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in Qwen2ForCausalLM(cfg).state_dict().items()}
-    shapes.pop("lm_head.weight")  # tied to the embedding
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tensors = {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, device="cuda")
-        else:
-            t = torch.randn(shape, device="cuda", generator=gen) * 0.02
-        tensors[name] = t.to(torch.bfloat16).cpu()
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg.torch_dtype = "bfloat16"
-    cfg.save_pretrained(str(folder))
-    return folder
 
 
 def free_bytes() -> int:
@@ -115,7 +78,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_memory.py needs a CUDA GPU")
 
-    ckpt = build_qwen25_15b(args.ckpt or Path(tempfile.gettempdir()) / "rollout-bench-qwen25-1.5b")
+    ckpt = bench_model("qwen2.5-1.5b", args.ckpt)
     host_weights = [(n, t.pin_memory()) for n, t in iter_checkpoint(safetensors_files(ckpt))]
     a = torch.randn(256, 256, device="cuda")
     (a @ a).sum().item()  # CUDA context and cuBLAS before the baseline

@@ -41,6 +41,11 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+def prompt_ids(n: int) -> list[int]:
+    """n token ids inside the toy vocabulary (81 ids)."""
+    return [3 + i % 70 for i in range(n)]
+
+
 def make_seq(seq_id: int, tokens: list[int], pages: list[int], computed: int, status=Status.RUNNING):
     seq = Sequence(seq_id, seq_id, 0, list(tokens), len(tokens), SamplingParams(), seq_id)
     seq.pages, seq.num_computed, seq.status = list(pages), computed, status
@@ -348,7 +353,7 @@ def hf_logits(path: str, dtype: torch.dtype, tokens: list[int]) -> torch.Tensor:
     return hf_model(path, dtype)(torch.tensor([tokens], device="cuda")).logits[0].float()
 
 
-MIXED_PROMPTS = [list(range(3, 3 + n)) for n in (1, 15, 16, 17, 40)]  # page boundaries at 16
+MIXED_PROMPTS = [prompt_ids(n) for n in (1, 15, 16, 17, 40)]  # page boundaries at 16
 EXTRA = [11, 12, 13, 14, 15]  # 5 decode steps: the 15/16/17-token prompts cross a page while decoding
 
 
@@ -381,7 +386,7 @@ def test_graph_replay_equals_eager_exactly(backend, gpu_checkpoints):
     engine = gpu_engine(gpu_checkpoints["qwen2"], backend, max_running_requests=16)
     graphs = engine.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8, 16] and graphs.capture_seconds > 0
-    seqs = [make_seq(i, list(range(3, 3 + n)), [], 0) for i, n in enumerate([1, 16, 17, 40, 90])]
+    seqs = [make_seq(i, prompt_ids(n), [], 0) for i, n in enumerate([1, 16, 17, 40, 90])]
     for seq in seqs:
         seq.pages = engine.pages.allocate(8)
     runner = engine.runner
@@ -416,7 +421,7 @@ def test_greedy_outputs_equal_across_backends(family, gpu_checkpoints):
     must match the torch backend; bf16 rounding may only flip a near-tie, which is checked by the
     reference's own top-2 logprob margin at the first differing token."""
     path = gpu_checkpoints[family]
-    prompts = [list(range(3, 3 + n)) for n in (1, 5, 15, 16, 17, 33, 64, 100)]
+    prompts = [prompt_ids(n) for n in (1, 5, 15, 16, 17, 33, 64, 100)]
     params = [
         SamplingParams(n=2, temperature=0, max_new_tokens=8 + 6 * i, ignore_eos=True, top_logprobs=2)
         for i in range(len(prompts))

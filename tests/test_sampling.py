@@ -115,3 +115,16 @@ def test_engine_samples_the_model_distribution(engine, hf_models):
     f_obs = np.append(counts[common], counts[~common].sum())
     f_exp = np.append(probs[common], probs[~common].sum()) * 3000
     assert chisquare(f_obs, f_exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 1025, 5000])
+def test_two_level_inverse_cdf_equals_a_full_cumsum(vocab):
+    from rollout.runner.sampler import _inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=gen) * (torch.rand(64, vocab, generator=gen) > 0.5)
+    probs[:, 0] += 0.01  # every row has mass
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    cdf = probs.double().cumsum(-1)
+    direct = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert torch.equal(_inverse_cdf(probs, u), direct)

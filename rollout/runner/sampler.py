@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from rollout.runner.transfer import to_device
 from rollout.sampling import SamplingParams
@@ -92,7 +93,33 @@ def _draw(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.needs_min_p:
         top = probs[:, :1] if order is not None else probs.max(dim=-1, keepdim=True).values
         probs = probs * (probs >= sb.min_p.unsqueeze(1) * top)
-    cdf = probs.double().cumsum(dim=-1)
-    target = (sb.uniforms * cdf[:, -1]).unsqueeze(1)
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
+    idx = _inverse_cdf(probs, sb.uniforms).unsqueeze(1)
     return idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)
+
+
+CDF_BLOCK = 1024
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the index i with cdf[i-1] <= u * total < cdf[i] (unnormalised probs [N, V]).
+
+    Two levels, so no float64 cumsum over the whole vocabulary: the row's blocks of CDF_BLOCK tokens are
+    summed (float64), the block holding the target found, then the target found inside that block.
+    """
+    N, V = probs.shape
+    nb = -(-V // CDF_BLOCK)
+    blocks = F.pad(probs, (0, nb * CDF_BLOCK - V)).view(N, nb, CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [N, nb]
+    target = (u * block_cdf[:, -1]).unsqueeze(1)  # [N, 1]
+    b = _search(block_cdf, target)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, b.unsqueeze(-1).expand(N, 1, CDF_BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    i = _search(inner, target - before)
+    return (b * CDF_BLOCK + i).squeeze(1)
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """First index whose cdf exceeds target, never past the last index with mass (rounding-safe)."""
+    idx = torch.searchsorted(cdf, target, right=True)
+    last = (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)  # index of the last entry that adds mass
+    return torch.minimum(idx, last)

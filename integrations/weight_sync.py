@@ -1,0 +1,442 @@
+"""Trainer side of weight sync: push a transformers model's weights into an engine, bucket by bucket.
+
+`sync_weights(model, engine)` walks a plain, DDP-, accelerate-, torch.compile- or FSDP2-wrapped model,
+names every parameter as Hugging Face does, and sends buckets of about `bucket_bytes`:
+
+- to an in-process `Engine`: the tensors themselves (the engine copies them into its parameters);
+- to an `EngineProcess`: flattened buckets shared by CUDA IPC (shared memory on a CPU), two buffers
+  in turn, so packing the next bucket overlaps the engine copying the previous one;
+- to a `BroadcastSender`: flattened buckets broadcast from rank 0 of a group the engine joined.
+
+FSDP2 shards (DTensors) are gathered one parameter at a time while its bucket is packed, so the extra
+memory is about one bucket. Every rank of an FSDP2 job must call `sync_weights` (the gathers are
+collectives); ranks without an engine pass `engine=None`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.weights import broadcast as bc
+from rollout.weights import ipc
+from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, write
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+GROUP_NAME = "rollout-weights"
+
+
+@dataclass
+class SyncStats:
+    transport: str
+    tensors: int
+    buckets: int
+    bytes: int
+    seconds: float
+
+
+# -- walking the trainer's model -------------------------------------------------------------------
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / DataParallel / torch.compile wrappers (FSDP2 wraps in place)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    if type(model).__name__ == "FullyShardedDataParallel":
+        raise TypeError(
+            "FSDP1 models are not supported: wrap with FSDP2 (torch.distributed.fsdp.fully_shard) or pass "
+            "a model holding the full parameters"
+        )
+    return model
+
+
+def hf_name(name: str) -> str:
+    for token in WRAPPER_TOKENS:
+        name = name.replace(token, "")
+    return name
+
+
+def hf_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, parameter) pairs; FSDP2 parameters stay sharded DTensors."""
+    return [(hf_name(n), p) for n, p in unwrap_model(model).named_parameters()]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _device(p: torch.Tensor) -> torch.device:
+    return p.to_local().device if _is_dtensor(p) else p.device
+
+
+def _gathered(p: torch.Tensor) -> torch.Tensor:
+    """The full tensor: gathered across ranks for a DTensor (a collective), else the local tensor."""
+    return p.full_tensor() if _is_dtensor(p) else p.detach()
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    metas: list[TensorMeta]
+
+    @property
+    def nbytes(self) -> int:
+        return total_bytes(self.metas)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Full tensors, gathered one at a time as the caller consumes them."""
+        for p in self.params:
+            yield _gathered(p)
+
+
+def plan_buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None
+) -> list[_Bucket]:
+    """Group parameters in order into buckets of at most `bucket_bytes` (a larger tensor goes alone),
+    laid out back to back as the receiver rebuilds them."""
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, p in named:
+        nbytes = math.prod(p.shape) * (dtype or p.dtype).itemsize
+        if not groups or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    return [
+        _Bucket(
+            [p for _, p in g],
+            layout([n for n, _ in g], [dtype or p.dtype for _, p in g], [p.shape for _, p in g]),
+        )
+        for g in groups
+    ]
+
+
+def _fill(buffer: torch.Tensor, bucket: _Bucket) -> FlattenedBucket:
+    for meta, t in zip(bucket.metas, bucket.tensors()):
+        write(buffer, meta, t)  # casts when the bucket's dtype differs; the gathered tensor is then freed
+    return FlattenedBucket(buffer[: bucket.nbytes], bucket.metas)
+
+
+# -- targets: where buckets go ---------------------------------------------------------------------
+class _Direct:
+    """An Engine in this process: hand it the tensors (or one flattened buffer)."""
+
+    name = "in-process"
+
+    def __init__(self, engine: Any, flatten: bool, abort: bool, capacity: int):
+        self.engine, self.flatten, self.abort, self.capacity = engine, flatten, abort, capacity
+        self.buffer: torch.Tensor | None = None
+
+    def send(self, bucket: _Bucket) -> None:
+        if self.flatten:
+            self.buffer = _ensure(self.buffer, self.capacity, _device(bucket.params[0]))
+            self.engine.update_weights_from_tensor(
+                _fill(self.buffer, bucket), load_format="flattened_bucket", abort=self.abort
+            )
+        else:
+            named = [(m.name, t.to(m.dtype)) for m, t in zip(bucket.metas, bucket.tensors())]
+            self.engine.update_weights_from_tensor(named, abort=self.abort)
+
+    def finish(self) -> None:
+        self.buffer = None
+
+    cancel = finish
+
+
+class _ToProcess:
+    """An EngineProcess: flattened buckets by CUDA IPC / shared memory, two buffers in turn."""
+
+    name = "ipc"
+
+    def __init__(self, engine: Any, abort: bool, capacity: int):
+        self.engine, self.abort, self.capacity = engine, abort, capacity
+        self.buffers: list[torch.Tensor | None] = [None, None]
+        self.pending: deque = deque()
+        self.sent = 0
+
+    def send(self, bucket: _Bucket) -> None:
+        slot = self.sent % 2
+        if len(self.pending) == 2:
+            self.pending.popleft().result()  # the engine is done with this slot's buffer
+        device = _device(bucket.params[0])
+        self.buffers[slot] = _ensure(self.buffers[slot], self.capacity, device, shared=True)
+        packed = _fill(self.buffers[slot], bucket)
+        self.pending.append(
+            self.engine.submit("update_weights_from_tensor", packed, "flattened_bucket", abort=self.abort)
+        )
+        self.sent += 1
+
+    def finish(self) -> None:
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        while self.pending:  # answers must be read even after a failure, to keep the pipe in step
+            try:
+                self.pending.popleft().result()
+            except Exception:
+                pass
+        self.buffers = [None, None]
+        ipc.release()
+
+
+def _ensure(
+    buf: torch.Tensor | None, capacity: int, device: torch.device, shared: bool = False
+) -> torch.Tensor:
+    """A buffer of `capacity` bytes (the largest bucket) on `device`, reused across buckets."""
+    if buf is not None and buf.numel() >= capacity and buf.device == torch.device(device):
+        return buf
+    return empty_buffer(capacity, device, shared=shared)
+
+
+# -- broadcast: the sender owns rank 0 -------------------------------------------------------------
+class BroadcastSender:
+    """Rank 0 of a weights update group: broadcasts tensors or flattened buckets to engine ranks.
+
+    The engine ranks must be told to receive each broadcast (`update_weights_from_distributed`) at the
+    same time; `on_update(names=, dtypes=, shapes=, group_name=, load_format=)` does that (post an HTTP
+    request, submit to an EngineProcess...) and may return an object with `.result()`, awaited after
+    the broadcast so the engine's errors reach the trainer. Construct it while the engines call
+    `init_weights_update_group(master_address, master_port, 1, world_size, group_name, backend)`.
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = GROUP_NAME,
+        backend: str = "nccl",
+        *,
+        on_update: Callable[..., Any] | None = None,
+        device: torch.device | str | None = None,
+        timeout: float = bc.DEFAULT_TIMEOUT_S,
+    ):
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        self.group = bc.join_group(
+            master_address,
+            master_port,
+            0,
+            world_size,
+            group_name,
+            backend,
+            device=torch.device(device),
+            timeout=timeout,
+        )
+        self.on_update = on_update
+        self._on_close: list[Callable[[], Any]] = []
+        self.buffer: torch.Tensor | None = None
+        self.capacity = 0  # set by sync_weights: the largest bucket's bytes
+
+    @property
+    def group_name(self) -> str:
+        return self.group.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    def send_bucket(self, bucket: FlattenedBucket) -> None:
+        """Broadcast one flattened buffer (the engines rebuild its layout from names/dtypes/shapes)."""
+        pending = self._notify(bucket.metas, "flattened_bucket")
+        bc.broadcast(bucket.buffer, self.group)
+        _settle(pending)
+
+    def send_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One broadcast per tensor, in order (SGLang's load_format=None)."""
+        tensors = [t.detach().to(self.device).contiguous() for _, t in named]
+        metas = layout([n for n, _ in named], [t.dtype for t in tensors], [t.shape for t in tensors])
+        pending = self._notify(metas, None)
+        for t in tensors:
+            bc.broadcast(t, self.group)
+        _settle(pending)
+
+    def _notify(self, metas: list[TensorMeta], load_format: str | None) -> Any:
+        if self.on_update is None:
+            return None
+        return self.on_update(
+            names=[m.name for m in metas],
+            dtypes=[str(m.dtype).removeprefix("torch.") for m in metas],
+            shapes=[list(m.shape) for m in metas],
+            group_name=self.group.name,
+            load_format=load_format,
+        )
+
+    # sync_weights target protocol
+    name = "broadcast"
+
+    def send(self, bucket: _Bucket) -> None:
+        self.buffer = _ensure(self.buffer, self.capacity, self.device)
+        self.send_bucket(_fill(self.buffer, bucket))
+
+    def finish(self) -> None:
+        self.buffer = None
+
+    cancel = finish
+
+    def close(self) -> None:
+        """Leave the group (and let an attached engine leave it too)."""
+        if self.group is None:
+            return
+        for fn in self._on_close:
+            fn()
+        bc.leave_group(self.group)
+        self.group = None
+
+    def __enter__(self) -> BroadcastSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @classmethod
+    def for_engine(
+        cls,
+        engine: Any,
+        backend: str = "nccl",
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = GROUP_NAME,
+        device: torch.device | str | None = None,
+        timeout: float = bc.DEFAULT_TIMEOUT_S,
+    ) -> BroadcastSender:
+        """A sender wired to one EngineProcess: it joins the group as rank 1 and receives every send."""
+        port = master_port or bc.free_port()
+        joining = engine.submit(
+            "init_weights_update_group", master_address, port, 1, 2, group_name, backend, timeout=timeout
+        )
+        try:
+            sender = cls(
+                master_address,
+                port,
+                2,
+                group_name,
+                backend,
+                device=device,
+                timeout=timeout,
+                on_update=lambda **kw: engine.submit("update_weights_from_distributed", **kw),
+            )
+        except BaseException:
+            _settle_quietly(joining)
+            raise
+        joining.result()
+        sender._on_close.append(lambda: engine.destroy_weights_update_group(group_name))
+        return sender
+
+
+def _settle(pending: Any) -> None:
+    if hasattr(pending, "result"):
+        pending.result()
+
+
+def _settle_quietly(pending: Any) -> None:
+    try:
+        _settle(pending)
+    except Exception:
+        pass
+
+
+# -- the entry point -------------------------------------------------------------------------------
+def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int) -> Any:
+    from rollout.process import EngineProcess
+
+    if engine is None:
+        return None
+    if isinstance(engine, BroadcastSender):
+        if engine.group is None:
+            raise RuntimeError("the BroadcastSender is closed")
+        engine.capacity = capacity
+        return engine
+    if isinstance(engine, EngineProcess):
+        return _ToProcess(engine, abort, capacity)
+    if hasattr(engine, "update_weights_from_tensor"):
+        return _Direct(engine, bool(flatten), abort, capacity)
+    raise TypeError(
+        f"engine must be an Engine, EngineProcess, BroadcastSender or None, got {type(engine).__name__}"
+    )
+
+
+def _engine_dtype(engine: Any) -> torch.dtype | None:
+    dtype = getattr(engine, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    info = getattr(engine, "info", None)
+    if isinstance(info, dict) and "dtype" in info:
+        return getattr(torch, info["dtype"].removeprefix("torch."))
+    return None
+
+
+@torch.no_grad()
+def sync_weights(
+    model: nn.Module,
+    engine: Any,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | str | None = "auto",
+    flatten: bool | None = None,
+    abort: bool = False,
+) -> SyncStats:
+    """Copy every parameter of `model` into `engine` (Engine, EngineProcess, BroadcastSender, or None
+    on ranks that only take part in FSDP2 gathers).
+
+    dtype: what the tensors travel as; "auto" is the engine's dtype when it is known (so a float32
+    master copy crosses as bfloat16), None keeps the trainer's. flatten: for an in-process Engine,
+    pack flattened buckets instead of handing over the tensors (other targets always flatten).
+    abort: abort requests in flight in the engine instead of refusing the update.
+    """
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if dtype == "auto":
+        dtype = _engine_dtype(engine)
+    elif dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
+    t0 = time.perf_counter()
+    named = hf_named_parameters(model)
+    buckets = plan_buckets(named, bucket_bytes, dtype)
+    target = _target_for(engine, flatten, abort, max((b.nbytes for b in buckets), default=0))
+    if target is None:
+        for b in buckets:  # take part in the gathers, send nothing
+            if any(_is_dtensor(p) for p in b.params):
+                for _ in b.tensors():
+                    pass
+        return SyncStats("none", len(named), 0, 0, time.perf_counter() - t0)
+    try:
+        for b in buckets:
+            target.send(b)
+        target.finish()
+    except BaseException:
+        target.cancel()
+        raise
+    _sync_device(named)
+    return SyncStats(
+        target.name, len(named), len(buckets), sum(b.nbytes for b in buckets), time.perf_counter() - t0
+    )
+
+
+def _sync_device(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Timing honesty for in-process copies: wait for the queued GPU work."""
+    if named and torch.cuda.is_available():
+        device = _device(named[0][1])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
