@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from integrations import sync_weights
 from integrations.torchrun import DataParallelRollout, build_engine, init_distributed
 from rollout import SamplingParams
 from rollout.toy import build_checkpoint
-from rollout.weights.loader import load_tensors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,8 +52,8 @@ def checkpoint(path: str | None) -> str:
     return box[0]
 
 
-def make_trainer(path: str, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """(the module to train: DDP or FSDP2 wrapped, the plain HF model inside it)."""
+def make_trainer(path: str, device: torch.device) -> nn.Module:
+    """The transformers model to train, FSDP2-sharded on GPUs, DDP-wrapped on a CPU."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
@@ -63,17 +63,8 @@ def make_trainer(path: str, device: torch.device) -> tuple[nn.Module, nn.Module]
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        return model, model
-    return nn.parallel.DistributedDataParallel(model), model
-
-
-def full_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter as a full tensor under its HF name (FSDP2 shards are gathered: collective)."""
-    named = []
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        named.append((name, full.detach()))
-    return named
+        return model
+    return nn.parallel.DistributedDataParallel(model)
 
 
 def token_logprobs(model: nn.Module, seqs: list[tuple[list[int], list[int]]], device) -> list[torch.Tensor]:
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     path = checkpoint(args.model)
     engine = build_engine(path, tp_size=args.tp_size, max_total_tokens=8192, dtype=args.dtype)
     rollout = DataParallelRollout(engine, seed=1)
-    trainer, policy = make_trainer(path, env.device)
+    trainer = make_trainer(path, env.device)
     opt = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, logprobs=True)
     rng = random.Random(0)  # the same global batch on every rank
@@ -147,10 +138,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        # every rank loads the full tensors; each engine rank keeps its shard
-        loaded = load_tensors(engine.model, full_weights(policy))
-        engine.flush_cache()  # cached prompt pages hold the old weights' keys and values
-        say(f"step {step}: loss {loss.item():+.4f}, synced {loaded} tensors into the engines")
+        # every rank pushes full tensors (FSDP2 shards gathered); each engine rank keeps its own shard
+        stats = sync_weights(trainer, engine)
+        say(f"step {step}: loss {loss.item():+.4f}, synced {stats.tensors} tensors into the engines")
     return gaps
 
 

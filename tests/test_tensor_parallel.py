@@ -67,13 +67,29 @@ def assert_same(ours, ref, atol=2e-5):
 
 
 # -- on every rank (module-level so the workers can import them) -----------------------------------------
-def rank_tp_generate(path: str, named: list | None = None):
+def rank_tp_generate(path: str, update: str | None = None, source: str | None = None):
+    """tp_size=2 outputs; `update` first loads the weights of checkpoint `source`: through the loader,
+    the engine's update_weights_from_tensor, or integrations.sync_weights from a transformers model."""
     engine = Engine(path, tp_size=2, **ENGINE)
     assert engine.tp.size == 2 and engine.config.tp_size == 2
-    if named is not None:
-        load_tensors(engine.model, named)
-        for name, full in named:  # read() gathers the shards back into the full tensor
-            assert torch.equal(WeightTarget(name, *engine.model.resolve(name)).read(), full), name
+    if update in ("loader", "engine"):
+        named = list(load_file(f"{source}/model.safetensors").items())
+        if update == "loader":
+            load_tensors(engine.model, named)
+            engine.flush_cache()
+            read = lambda name: WeightTarget(name, *engine.model.resolve(name)).read()
+        else:
+            assert engine.update_weights_from_tensor(named) == len(named)
+            read = engine.get_weights_by_name
+        for name, full in named:  # reads gather the shards back into the full tensor
+            assert torch.equal(read(name), full), name
+    elif update == "sync_weights":
+        from transformers import AutoModelForCausalLM
+
+        from integrations import sync_weights
+
+        sync_weights(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), engine)
+        assert engine.weight_version == 1
     return run_params(engine)
 
 
@@ -212,12 +228,12 @@ def test_tp2_matches_one_rank(family, cluster, ckpts):
     assert_same(rank0, ref)
 
 
-def test_weight_update_on_tp2_matches_one_rank(cluster, ckpts):
-    named = list(load_file(f"{ckpts['qwen3-other']}/model.safetensors").items())
+@pytest.mark.parametrize("update", ["loader", "engine", "sync_weights"])
+def test_weight_update_on_tp2_matches_one_rank(update, cluster, ckpts):
     ref = run_params(Engine(ckpts["qwen3-other"], **ENGINE))
     before = run_params(Engine(ckpts["qwen3-tied"], **ENGINE))
     assert [t for t, _, _ in ref] != [t for t, _, _ in before]  # the update changes the outputs
-    rank0, rank1 = cluster.values(rank_tp_generate, ckpts["qwen3-tied"], named)
+    rank0, rank1 = cluster.values(rank_tp_generate, ckpts["qwen3-tied"], update, ckpts["qwen3-other"])
     assert rank0 == rank1
     assert_same(rank0, ref)
 
