@@ -68,7 +68,7 @@ class Engine(MemoryMixin, WeightsMixin):
         self.scheduler = Scheduler(
             self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
         )
-        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
+        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
             self.kv, mc.num_heads // tp.size, mc.head_dim, mc.head_dim**-0.5
         )
