@@ -1,5 +1,6 @@
 """Trainer-side helpers (never imported by `rollout`): weight sync from a training model to an engine,
-and for RL loops `integrations.rl` (rollouts to tensors, losses), `.metrics` (console/wandb), `.tasks`."""
+torchrun helpers (`integrations.torchrun`), and for RL loops `integrations.rl` (rollouts to tensors,
+losses), `integrations.metrics` (console, tqdm, wandb) and `integrations.tasks` (verifiable tasks)."""
 
 from integrations.weight_sync import BroadcastSender, SyncStats, hf_named_parameters, sync_weights
 

@@ -29,7 +29,8 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None  # default: max_running_requests
     enable_memory_saver: bool = False
-    tp_size: int = 1
+    tp_size: int = 1  # ranks sharing one model (consecutive ranks of the torchrun world)
+    tp_timeout: float = 600.0  # seconds a tensor-parallel collective waits for the other ranks
     log_level: str | None = None
 
     def __post_init__(self) -> None:
@@ -45,6 +46,9 @@ class EngineConfig:
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "tp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        number = isinstance(self.tp_timeout, (int, float)) and not isinstance(self.tp_timeout, bool)
+        if not number or not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be a positive number of seconds, got {self.tp_timeout!r}")
         for name in ("max_total_tokens", "max_model_len", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

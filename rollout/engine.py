@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from rollout.attention.registry import backend_class, resolve_backend_name
 from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
-from rollout.distributed import SINGLE, TPGroup
+from rollout.distributed import agreement, make_tp_group
 from rollout.memory import MemoryMixin, MemoryState, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
@@ -37,13 +38,18 @@ GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weig
 
 
 class Engine(MemoryMixin, WeightsMixin):
-    def __init__(self, model: str | Path, *, tp: TPGroup = SINGLE, **options: Any):
+    def __init__(self, model: str | Path, *, tp_group: Any = None, **options: Any):
+        """`tp_group`: a ProcessGroup or 1-D DeviceMesh to shard the model over (default: groups of
+        `tp_size` consecutive ranks of the torch.distributed world). See rollout/distributed.py."""
         self.config = EngineConfig(model=model, **options)
         cfg = self.config
         self.device = cfg.torch_device
-        self.tp = tp
         self.model_config = ModelConfig.from_path(cfg.model)
         mc = self.model_config
+        self.tp = tp = make_tp_group(
+            cfg.tp_size, tp_group, device=self.device, timeout_s=cfg.tp_timeout, model_sizes=mc.tp_sizes
+        )
+        self.config = cfg = replace(cfg, tp_size=tp.size)
         self.dtype = cfg.torch_dtype(mc.torch_dtype)
         self.max_model_len = self._max_model_len()
         self.memory_saver = make_memory_saver(cfg.enable_memory_saver, self.device)
@@ -62,7 +68,7 @@ class Engine(MemoryMixin, WeightsMixin):
         self.scheduler = Scheduler(
             self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
         )
-        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype)
+        self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
             self.kv, mc.num_heads // tp.size, mc.head_dim, mc.head_dim**-0.5
         )
@@ -119,6 +125,7 @@ class Engine(MemoryMixin, WeightsMixin):
                 )
         else:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
+        num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
         return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
 
     def _capture_graphs(self, backend: Any) -> GraphRunner:
@@ -150,13 +157,15 @@ class Engine(MemoryMixin, WeightsMixin):
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; one RequestOutput per prompt, in order."""
-        token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
-        check_prompts(token_lists, self.model_config.vocab_size)
-        params = normalize_params(sampling_params, len(token_lists))
-        check_lengths(token_lists, params, self.max_model_len, self.pool_tokens)
-        if self.tokenizer is None and any(p.stop_strings for p in params):
-            raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
-        self._check_ready()
+        with agreement(self.tp, "generate inputs") as agreed:  # a TP group runs one schedule
+            token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
+            check_prompts(token_lists, self.model_config.vocab_size)
+            params = normalize_params(sampling_params, len(token_lists))
+            check_lengths(token_lists, params, self.max_model_len, self.pool_tokens)
+            if self.tokenizer is None and any(p.stop_strings for p in params):
+                raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
+            self._check_ready()
+            agreed.propose(inputs=(token_lists, params), engine_state=self._schedule_state())
         groups = [self._make_group(i, tokens, p) for i, (tokens, p) in enumerate(zip(token_lists, params))]
         for group in groups:
             self.scheduler.add(group[0], group[1:])
@@ -166,6 +175,10 @@ class Engine(MemoryMixin, WeightsMixin):
             self._request_output(g, tokens, text)
             for g, tokens, text in zip(groups, token_lists, texts or [None] * len(groups))
         ]
+
+    def _schedule_state(self) -> tuple:
+        """What, besides the inputs, decides the schedule and the seeds (equal on the ranks of a group)."""
+        return self._rng.getstate(), len(self.pages.index), self.pages.available(), self.kv.num_pages
 
     def _make_group(self, request: int, tokens: list[int], p: SamplingParams) -> list[Sequence]:
         seqs = []

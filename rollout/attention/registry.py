@@ -16,7 +16,12 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def resolve_backend_name(
+    name: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str:
     if name not in (*BACKENDS, "auto"):
         raise ValueError(f"attention_backend must be one of {['auto', *BACKENDS]}, got {name!r}")
     if name != "auto":
@@ -25,9 +30,9 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype | N
         return name
     if device.type != "cuda":
         return "torch"
-    # flashinfer has no float32 kernels
-    half = dtype in (None, torch.float16, torch.bfloat16)
-    for candidate in ("flashinfer", "triton") if half else ("triton",):
+    # flashinfer has no float32 kernels, and its merge of split-KV states takes only some head dims
+    fits = dtype in (None, torch.float16, torch.bfloat16) and head_dim in (None, *FLASHINFER_HEAD_DIMS)
+    for candidate in ("flashinfer", "triton") if fits else ("triton",):
         if importlib.util.find_spec(candidate) is not None and _importable(BACKENDS[candidate].split(":")[0]):
             return candidate
     return "torch"

@@ -44,6 +44,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one kernel, the sum rounded to the model dtype as the
+    unfused `residual + x` is; x, residual: [T, N]."""
+    x, residual = x.contiguous(), residual.contiguous()
+    out, res_out = torch.empty_like(x), torch.empty_like(x)
+    if x.numel():
+        _kernels().add_rms_norm(x, residual, weight, eps, out, res_out)
+    return out, res_out
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-layout rotary embedding of q [T, Hq, D] and k [T, Hkv, D] (last dim contiguous) with
     cos_sin [T, D] (cos half | sin half, float32), as models.llama.rope; returns contiguous copies."""

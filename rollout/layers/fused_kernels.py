@@ -45,6 +45,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    ty = out_ptr.dtype.element_ty
+    s = (x + r).to(ty)  # torch adds in the model dtype: round the sum, then normalise the rounded value
+    tl.store(res_ptr + row * N + offs, s, mask=mask)
+    s = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
+    h = (s * inv).to(ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (w * h).to(ty), mask=mask)
+
+
+def add_rms_norm(x, residual, weight, eps: float, out, res_out) -> None:
+    # x, residual, out, res_out: [T, N] contiguous
+    T, N = x.shape
+    block = triton.next_power_of_2(N)
+    _add_rms_norm_kernel[(T,)](x, residual, weight, out, res_out, N, eps, BLOCK_N=block,
+                               num_warps=min(16, max(1, block // 256)))  # fmt: skip
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, stride_t, stride_h, stride_ot, stride_oh, t, cos, sin,
                   H: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip

@@ -16,7 +16,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = empty_param(size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the decoder's residual add fused
+        into the norm that follows it."""
+        if residual is not None:
+            if use_fused(x):
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)
+            s = x + residual
+            return self.forward(s), s
         if use_fused(x):  # one kernel instead of eight (see layers/fused.py)
             return fused.rms_norm(x, self.weight, self.eps)
         h = x.float()

@@ -66,6 +66,15 @@ class ModelConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
         )
 
+    @property
+    def tp_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits (the vocabulary is padded instead)."""
+        return {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
         path = Path(path)

@@ -72,7 +72,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
     tokens = logits.argmax(dim=-1)
     if not sb.all_greedy:
-        drawn = _draw(logprobs.exp(), sb)
+        drawn = _draw(logprobs, sb)
         tokens = torch.where(greedy, tokens, drawn)
     top_ids = top_lp = None
     if sb.num_top_logprobs:
@@ -80,11 +80,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     return SampleResult(tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top_ids, top_lp)
 
 
-def _draw(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF."""
     order = None
-    if sb.needs_sort:
-        probs, order = probs.sort(dim=-1, descending=True)
+    if not sb.needs_sort:
+        probs = _padded_exp(logprobs)
+    else:
+        probs, order = logprobs.exp().sort(dim=-1, descending=True)
         rank = torch.arange(probs.shape[1], device=probs.device)
         probs = probs * (rank.unsqueeze(0) < sb.top_k.unsqueeze(1))
         csum = probs.cumsum(dim=-1)
@@ -104,18 +106,31 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row, the index i with cdf[i-1] <= u * total < cdf[i] (unnormalised probs [N, V]).
 
     Two levels, so no float64 cumsum over the whole vocabulary: the row's blocks of CDF_BLOCK tokens are
-    summed (float64), the block holding the target found, then the target found inside that block.
+    summed, the block holding the target found, then the target found inside that block.
     """
     N, V = probs.shape
     nb = -(-V // CDF_BLOCK)
-    blocks = F.pad(probs, (0, nb * CDF_BLOCK - V)).view(N, nb, CDF_BLOCK)
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [N, nb]
+    if V % CDF_BLOCK:
+        probs = F.pad(probs, (0, nb * CDF_BLOCK - V))
+    blocks = probs.view(N, nb, CDF_BLOCK)
+    # float32 sums of 1024 terms are exact enough; only the short [N, nb] cumsum needs float64
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [N, nb]
     target = (u * block_cdf[:, -1]).unsqueeze(1)  # [N, 1]
     b = _search(block_cdf, target)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
     inner = blocks.gather(1, b.unsqueeze(-1).expand(N, 1, CDF_BLOCK)).squeeze(1).double().cumsum(dim=-1)
     i = _search(inner, target - before)
     return (b * CDF_BLOCK + i).squeeze(1)
+
+
+def _padded_exp(logprobs: torch.Tensor) -> torch.Tensor:
+    """exp(logprobs) written into a buffer whose width is a multiple of CDF_BLOCK (zeros past the
+    vocabulary), so the inverse CDF needs no padded copy."""
+    N, V = logprobs.shape
+    probs = torch.empty(N, -(-V // CDF_BLOCK) * CDF_BLOCK, dtype=logprobs.dtype, device=logprobs.device)
+    torch.exp(logprobs, out=probs[:, :V])
+    probs[:, V:].zero_()
+    return probs
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
