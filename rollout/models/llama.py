@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config, self.tp = cfg, tp
+        self._resolved: dict[str, tuple[nn.Module, str, Any] | None] = {}
         self.model = Backbone(cfg, tp, dtype, device, max_positions)
         if cfg.tie_word_embeddings:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=None)
@@ -160,7 +161,13 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights by Hugging Face name ---------------------------------------------------------------
     def resolve(self, hf_name: str) -> tuple[nn.Module, str, Any] | None:
-        """The (module, parameter, shard) a HF parameter name loads into; None for ignorable entries."""
+        """The (module, parameter, shard) a HF parameter name loads into; None for ignorable entries.
+        Remembered per name: a trainer sends the same few hundred names at every sync."""
+        if hf_name not in self._resolved:
+            self._resolved[hf_name] = self._resolve(hf_name)
+        return self._resolved[hf_name]
+
+    def _resolve(self, hf_name: str) -> tuple[nn.Module, str, Any] | None:
         if hf_name.endswith(IGNORED_SUFFIXES):
             return None
         if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
