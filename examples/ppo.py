@@ -6,7 +6,7 @@ policy loss whose importance ratio uses the engine's logprobs plus a clipped val
 resume: weights, sync, then KV cache and CUDA graphs. The critic is a linear head on the policy's last
 hidden states (shared trunk); it stays on the trainer side, only the policy's weights go to the engine.
 With no --model the built-in tiny model learns to repeat the digit of its prompt: the mean reward goes
-from about 0.01 to about 0.75 in 40 steps, some 10 seconds on a 2-core CPU.
+from about 0.01 to 0.4-0.7 in 40 steps (noisier than GRPO), some 10 seconds on a 2-core CPU.
 
     python3 examples/ppo.py                                    # tiny model, on cuda when present
     python3 examples/ppo.py --model path/to/ckpt --task add --steps 200 --batch 64 --n 2 --wandb
