@@ -34,7 +34,7 @@ from rollout.weights.updates import WeightsMixin
 log = logging.getLogger("rollout")
 
 CPU_DEFAULT_TOKENS = 32768
-GPU_RESERVE_BYTES = 1 << 30  # activations, logits and graph buffers beside weights and KV
+GPU_RESERVE_BYTES = 2 << 30  # activations, logits, sampling and graph buffers beside weights and KV
 
 
 class Engine(MemoryMixin, WeightsMixin):
@@ -115,13 +115,20 @@ class Engine(MemoryMixin, WeightsMixin):
         if cfg.max_total_tokens is not None:
             num_pages = -(-cfg.max_total_tokens // cfg.page_size)
         elif self.device.type == "cuda":
+            # the engine's own share of the device (weights, KV, graphs), never more than is free now:
+            # a trainer or another engine in the process may hold the rest
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * cfg.mem_fraction - (total - free) - GPU_RESERVE_BYTES
+            weights = sum(
+                t.numel() * t.element_size()
+                for t in {p.data_ptr(): p for p in self.model.parameters()}.values()
+            )
+            budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
             num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
                 raise ValueError(
                     f"mem_fraction={cfg.mem_fraction} leaves no room for a KV cache "
-                    f"({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)"
+                    f"({weights / 2**30:.1f} GiB of weights, "
+                    f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB)"
                 )
         else:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
