@@ -14,16 +14,14 @@ from about 0.01 to 0.4-0.7 in 40 steps (noisier than GRPO), some 10 seconds on a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from integrations.metrics import MetricsLogger, PhaseTimer, device_used_bytes, rollout_metrics, summary
+from integrations.cli import loop_parser, run_example
+from integrations.metrics import MetricsLogger, PhaseTimer, device_used_bytes, rollout_metrics
 from integrations.rl import (
     RolloutBatch,
     ValueHead,
@@ -202,46 +200,16 @@ def train(cfg: Config) -> list[dict[str, float]]:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     d = Config()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in tiny model)")
-    ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
-    ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
-    ap.add_argument("--n", type=int, default=d.n, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--temperature", type=float, default=d.temperature)
-    ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    ap = loop_parser(d, __doc__)
     ap.add_argument("--value-clip", type=float, default=d.value_clip)
     ap.add_argument("--vf-coef", type=float, default=d.vf_coef)
     ap.add_argument("--gamma", type=float, default=d.gamma)
     ap.add_argument("--lam", type=float, default=d.lam)
-    ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
-    ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    ap.add_argument("--dtype", default=d.dtype, help="engine dtype: auto, float32, bfloat16, float16")
-    ap.add_argument("--mem-fraction", type=float, default=d.mem_fraction, help="engine's share of the GPU")
-    ap.add_argument(
-        "--memory-saver",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="free the engine's GPU memory on release (default: on for CUDA with torch_memory_saver)",
-    )
-    ap.add_argument("--wandb", action="store_true", help="log to wandb (works with WANDB_MODE=offline)")
-    ap.add_argument("--wandb-dir", default=None, help="folder for wandb's files (default: ./wandb)")
-    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     return Config(**vars(ap.parse_args(argv)))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("rollout.memory").setLevel(logging.WARNING)  # each step's line has its timings
-    cfg = parse_args(argv)
-    t0 = time.perf_counter()
-    history = train(cfg)
-    print(f"{summary(history)} in {time.perf_counter() - t0:.0f}s")
-    return history
+    return run_example(train, parse_args(argv))
 
 
 if __name__ == "__main__":

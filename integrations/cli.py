@@ -1,0 +1,53 @@
+"""The command line the RL examples share: the loop's common flags, and a main that runs and summarises."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from integrations.metrics import summary
+from integrations.tasks import TASKS
+
+
+def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the flags every loop takes; `defaults` is the example's Config()."""
+    d = defaults
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in tiny model)")
+    ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
+    ap.add_argument("--n", type=int, default=d.n, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
+    ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
+    ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    ap.add_argument("--dtype", default=d.dtype, help="engine dtype: auto, float32, bfloat16, float16")
+    ap.add_argument("--mem-fraction", type=float, default=d.mem_fraction, help="engine's share of the GPU")
+    ap.add_argument(
+        "--memory-saver",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="free the engine's GPU memory on release (default: on for CUDA with torch_memory_saver)",
+    )
+    ap.add_argument("--wandb", action="store_true", help="log to wandb (works with WANDB_MODE=offline)")
+    ap.add_argument("--wandb-dir", default=None, help="folder for wandb's files (default: ./wandb)")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    return ap
+
+
+def run_example(train: Callable[[Any], list[dict[str, float]]], cfg: Any) -> list[dict[str, float]]:
+    """Train with `cfg`, then print the reward summary and the wall time."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("rollout.memory").setLevel(logging.WARNING)  # each step's line has its timings
+    t0 = time.perf_counter()
+    history = train(cfg)
+    print(f"{summary(history)} in {time.perf_counter() - t0:.0f}s")
+    return history
