@@ -236,7 +236,7 @@ class Engine(MemoryMixin, WeightsMixin):
         outs = []
         for seq in group:
             p = seq.params
-            if not p.stop_strings or seq.stop_reason is None or isinstance(seq.stop_reason, int):
+            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text = self._decode(seq.output_ids, p.skip_special_tokens)
             outs.append(
                 CompletionOutput(
