@@ -12,14 +12,13 @@ mean reward climbs from about 0.02 to about 0.9 in 40 steps, some 10 seconds on 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from integrations.cli import loop_parser, run_example
-from integrations.metrics import MetricsLogger, PhaseTimer, device_used_bytes, rollout_metrics
+from integrations.loop import ColocatedLoop
+from integrations.metrics import PhaseTimer
 from integrations.rl import (
     RolloutBatch,
     check_groups,
@@ -27,13 +26,8 @@ from integrations.rl import (
     group_advantages,
     logprob_gap,
     policy_logprobs,
-    refresh_engine,
-    rollout_batch,
-    use_memory_saver,
 )
-from integrations.tasks import TASKS, Task, char_tokenizer
-from rollout import Engine, SamplingParams
-from rollout.toy import default_model_dir
+from integrations.tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -121,61 +115,19 @@ def grpo_update(
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run the loop; returns each step's metrics."""
     torch.manual_seed(cfg.seed)
-    model_dir = str(cfg.model or default_model_dir())
-    engine = Engine(
-        model_dir,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-        mem_fraction=cfg.mem_fraction,
-        enable_memory_saver=use_memory_saver(cfg.memory_saver, cfg.device),
-    )
-    device = engine.device
-    # float32 master weights; eval() turns dropout off, so the ratio compares one function, not two draws
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    task = Task(cfg.task, seed=cfg.seed)
+    loop = ColocatedLoop.build(cfg, project="rollout-grpo")
+    opt = torch.optim.AdamW(loop.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     shuffle = torch.Generator().manual_seed(cfg.seed)  # minibatch order
-    params = SamplingParams(
-        n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
-    )
-    tokenizer = engine.tokenizer or char_tokenizer()  # random real-shaped checkpoints ship none
-    pad_id = tokenizer.pad_token_id or 0
-    logger = MetricsLogger(
-        cfg.steps,
-        use_wandb=cfg.wandb,
-        project="rollout-grpo",
-        config=dataclasses.asdict(cfg),
-        wandb_dir=cfg.wandb_dir,
-        progress=cfg.progress,
-    )
-    with logger:
+    with loop.logger:
         for step in range(cfg.steps):
-            timer = PhaseTimer(device)
-            problems = task.sample(cfg.batch)
-            with timer("generate"):
-                prompts = [tokenizer.encode(p.prompt) for p in problems]
-                outs = engine.generate(input_ids=prompts, sampling_params=params, use_tqdm=False)
-            texts = [
-                [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in r.outputs] for r in outs
-            ]
-            rewards = [task.reward(p, text) for p, group in zip(problems, texts) for text in group]
-            used = device_used_bytes(device)
-            with timer("release"):  # weights discarded (new ones come after the update), KV, graphs
-                engine.release_memory_occupation()
-            freed = None if used is None else used - device_used_bytes(device)
+            timer = PhaseTimer(loop.device)
+            ro = loop.rollouts(cfg.batch, timer)
             with timer("train"):
-                batch = rollout_batch(outs, pad_id).to(device)
-                metrics = grpo_update(policy, opt, batch, rewards, cfg, shuffle)
-            synced = refresh_engine(policy, engine, timer)
-            metrics |= rollout_metrics(rewards, batch.completion_lens.tolist(), timer.seconds["generate"])
-            metrics |= timer.metrics() | {"sync/gb": synced.bytes / 1e9}
-            if freed is not None:
-                metrics["memory/released_gb"] = freed / 1e9
-            logger.log(step, metrics)
-        if logger.run_dir:
-            print(f"wandb run written to {logger.run_dir}")
-    return logger.history
+                metrics = grpo_update(loop.policy, opt, ro.batch, ro.rewards, cfg, shuffle)
+            loop.finish_step(step, metrics, ro, timer)
+        if loop.logger.run_dir:
+            print(f"wandb run written to {loop.logger.run_dir}")
+    return loop.logger.history
 
 
 def parse_args(argv: list[str] | None = None) -> Config:

@@ -5,10 +5,10 @@
 
 Each step: the engines sample a global batch (each group its share, outputs gathered to every rank),
 every rank trains on its slice of the samples (the clipped GRPO loss of integrations.rl on a toy
-reward: digits are good), then the new weights go into the engine and it samples again. With no checkpoint given, rank 0 makes
-a tiny random one. The printed "engine vs trainer logprob" is the gap a trainer's importance ratios
-see: after a weight sync it is float32 noise on a CPU. With `--steps 12` the mean reward of the tiny
-model climbs from about 0.09 to about 0.7.
+reward: digits are good), then the new weights go into the engine and it samples again. With no
+checkpoint given, rank 0 makes a tiny random one. The printed "engine vs trainer logprob" is the gap
+a trainer's importance ratios see: after a weight sync it is float32 noise on a CPU. With `--steps 12`
+the mean reward of the tiny model climbs from about 0.09 to about 0.7.
 """
 
 from __future__ import annotations
