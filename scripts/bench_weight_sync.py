@@ -2,7 +2,7 @@
 
     python scripts/bench_weight_sync.py [--models qwen2.5-0.5b,qwen2.5-1.5b] [--buckets-mb 32,128,512,1024]
 
-Checkpoints are random, with the real shapes (built from transformers configs; speed does not depend
+Checkpoints are random, with the real shapes (scripts/models.py, made once; speed does not depend
 on the values). The floor is one read and one write of all weight bytes: the time to copy them once
 at the device-to-device copy bandwidth measured in the same run (for NCCL, the GPU-to-GPU copy
 bandwidth). Transports: in-process tensors, in-process flattened buckets, EngineProcess by CUDA IPC
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -22,41 +22,21 @@ from pathlib import Path
 
 import torch
 
-from integrations import BroadcastSender, sync_weights
-from rollout import Engine
-from rollout.process import EngineProcess
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import SHAPES, bench_model  # noqa: E402
 
-SHAPES = {  # Qwen2.5 configs (the 0.5B and 1.5B models tie their embeddings)
-    "qwen2.5-0.5b": dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14
-    ),
-    "qwen2.5-1.5b": dict(
-        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
-    ),
-}
+from integrations import BroadcastSender, sync_weights  # noqa: E402
+from rollout import Engine  # noqa: E402
+from rollout.process import EngineProcess  # noqa: E402
 
 
-def build(name: str, folder: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random model with `name`'s shapes, saved to `folder`; returns the model (on `device`)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def build(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Path, torch.nn.Module]:
+    """The random `name`-shaped checkpoint of scripts/models.py (made once) and its transformers model
+    on `device`, the trainer side of the sync."""
+    from transformers import AutoModelForCausalLM
 
-    shape = {"vocab_size": 151936, **SHAPES[name]}
-    cfg = Qwen2Config(
-        **shape,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-    )
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.save_pretrained(str(folder))
-    return model.eval()
+    folder = bench_model(name)
+    return folder, AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
 
 
 def copy_bandwidth(src: torch.device, dst: torch.device, nbytes: int = 1 << 30) -> float:
@@ -94,42 +74,38 @@ def measure(model, target, buckets: list[int], repeat: int, **kw) -> list[tuple[
     return [(b, timed(partial(sync_weights, model, target, bucket_bytes=b, **kw), repeat)) for b in buckets]
 
 
-def bench_model(name: str, args, device: torch.device, rows: list[str]) -> None:
+def bench_one(name: str, args, device: torch.device, rows: list[str]) -> None:
     dtype = getattr(torch, args.dtype)
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        folder = Path(tmp) / name
-        t0 = time.perf_counter()
-        model = build(name, folder, device, dtype)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(f"# {name}: {weight_bytes / 1e9:.2f} GB of weights, built in {time.perf_counter() - t0:.0f}s")
-        floor = weight_bytes / copy_bandwidth(device, device)
-        opts = dict(device=str(device), dtype=args.dtype, max_total_tokens=2048)
-        buckets = [int(mb * 2**20) for mb in args.buckets_mb]
+    t0 = time.perf_counter()
+    folder, model = build(name, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"# {name}: {weight_bytes / 1e9:.2f} GB of weights, built in {time.perf_counter() - t0:.0f}s")
+    floor = weight_bytes / copy_bandwidth(device, device)
+    opts = dict(device=str(device), dtype=args.dtype, max_total_tokens=2048)
+    buckets = [int(mb * 2**20) for mb in args.buckets_mb]
 
-        def record(transport: str, results: list[tuple[int, float]], floor_s: float) -> None:
-            for bucket, seconds in results:
-                row = (
-                    f"| {name} | {transport} | {bucket / 2**20:g} MB | {seconds * 1e3:.1f} | "
-                    f"{weight_bytes / seconds / 1e9:.1f} | {floor_s * 1e3:.1f} | {seconds / floor_s:.2f} |"
-                )
-                rows.append(row)
-                print(row, flush=True)
+    def record(transport: str, results: list[tuple[int, float]], floor_s: float) -> None:
+        for bucket, seconds in results:
+            row = (
+                f"| {name} | {transport} | {bucket / 2**20:g} MB | {seconds * 1e3:.1f} | "
+                f"{weight_bytes / seconds / 1e9:.1f} | {floor_s * 1e3:.1f} | {seconds / floor_s:.2f} |"
+            )
+            rows.append(row)
+            print(row, flush=True)
 
-        engine = Engine(str(folder), **opts)
-        record("in-process, tensors", measure(model, engine, buckets, args.repeat), floor)
-        record("in-process, flattened", measure(model, engine, buckets, args.repeat, flatten=True), floor)
-        engine = None  # free its weights before the next engine loads
-        ipc = "CUDA IPC" if device.type == "cuda" else "shared memory"
-        with EngineProcess(str(folder), **opts) as proc:
-            record(f"EngineProcess, {ipc}", measure(model, proc, buckets, args.repeat), floor)
-        if device.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_nccl:
-            other = torch.device("cuda", (device.index or 0) + 1)
-            p2p_floor = weight_bytes / copy_bandwidth(device, other)
-            with EngineProcess(str(folder), **{**opts, "device": str(other)}) as proc:
-                with BroadcastSender.for_engine(proc, "nccl", device=device, timeout=300) as sender:
-                    record(
-                        f"NCCL broadcast -> {other}", measure(model, sender, buckets, args.repeat), p2p_floor
-                    )
+    engine = Engine(str(folder), **opts)
+    record("in-process, tensors", measure(model, engine, buckets, args.repeat), floor)
+    record("in-process, flattened", measure(model, engine, buckets, args.repeat, flatten=True), floor)
+    engine = None  # free its weights before the next engine loads
+    ipc = "CUDA IPC" if device.type == "cuda" else "shared memory"
+    with EngineProcess(str(folder), **opts) as proc:
+        record(f"EngineProcess, {ipc}", measure(model, proc, buckets, args.repeat), floor)
+    if device.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_nccl:
+        other = torch.device("cuda", (device.index or 0) + 1)
+        p2p_floor = weight_bytes / copy_bandwidth(device, other)
+        with EngineProcess(str(folder), **{**opts, "device": str(other)}) as proc:
+            with BroadcastSender.for_engine(proc, "nccl", device=device, timeout=300) as sender:
+                record(f"NCCL broadcast -> {other}", measure(model, sender, buckets, args.repeat), p2p_floor)
 
 
 def main() -> None:
@@ -140,7 +116,6 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-nccl", action="store_true")
-    ap.add_argument("--tmp", default=None, help="where to write the random checkpoints")
     args = ap.parse_args()
     args.buckets_mb = [float(x) for x in args.buckets_mb.split(",")]
     device = torch.device(args.device)
@@ -150,7 +125,7 @@ def main() -> None:
     print(f"weight sync on {name}, {args.dtype}; floor = copy all weight bytes once; median of {args.repeat}")
     rows: list[str] = []
     for model in args.models.split(","):
-        bench_model(model.strip(), args, device, rows)
+        bench_one(model.strip(), args, device, rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print("\n| model | transport | bucket | ms | GB/s | floor ms | x floor |\n|---|---|---|---|---|---|---|")
