@@ -57,15 +57,6 @@ class Sequence:
         """Tokens to compute before the next one can be sampled (1 while decoding)."""
         return len(self.token_ids) - self.num_computed
 
-    def uniform(self) -> float:
-        """The random number for sampling the next token: a hash of (seed, output index), so a sample
-        is the same whatever else is in the batch, and after preemption and recompute."""
-        x = (self.seed * 0x9E3779B97F4A7C15 + (self.num_output + 1) * 0xD1B54A32D192ED03) & MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-        x ^= x >> 31
-        return ((x >> 11) + 0.5) / float(1 << 53)
-
 
 _U64 = [
     np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xD1B54A32D192ED03, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
@@ -73,8 +64,9 @@ _U64 = [
 
 
 def uniforms(seqs: list[Sequence]) -> np.ndarray:
-    """`Sequence.uniform()` of every sequence at once (float64 [N], bit-identical): uint64 numpy
-    arithmetic wraps exactly like the `& MASK64` of the scalar version."""
+    """The random number each sequence samples its next token with (float64 [N] in (0, 1)): a
+    splitmix64 hash of (seed, output index), so a sample is the same whatever else is in the batch,
+    and after preemption and recompute. uint64 numpy arithmetic wraps modulo 2**64."""
     n = len(seqs)
     seed = np.fromiter((s.seed & MASK64 for s in seqs), dtype=np.uint64, count=n)
     draw = np.fromiter((len(s.token_ids) - s.num_prompt + 1 for s in seqs), dtype=np.uint64, count=n)

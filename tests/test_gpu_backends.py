@@ -117,13 +117,23 @@ def test_host_batch_matches_a_direct_construction(qwen3_dir):
 
 
 # -- host-side batching helpers -------------------------------------------------------------------------
-def test_batched_uniforms_equal_the_per_sequence_ones():
+def test_batched_uniforms_equal_a_scalar_splitmix():
     from rollout.sequence import uniforms
 
     rng = np.random.default_rng(0)
     seeds = [0, -1, 2**64 - 1, -(10**30), 10**30, *rng.integers(0, 2**63, 50).tolist()]
     seqs = [Sequence(i, i, 0, [1] * (3 + i), 3, SamplingParams(), seed) for i, seed in enumerate(seeds)]
-    assert uniforms(seqs).tolist() == [s.uniform() for s in seqs]
+    assert uniforms(seqs).tolist() == [splitmix_uniform(s.seed, s.num_output + 1) for s in seqs]
+
+
+def splitmix_uniform(seed: int, draw: int) -> float:
+    """The hash of `uniforms`, one sequence at a time in Python integers (the reference)."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + draw * 0xD1B54A32D192ED03) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return ((x >> 11) + 0.5) / float(1 << 53)
 
 
 def test_packed_upload_keeps_dtypes_shapes_and_alignment():

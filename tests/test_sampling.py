@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from rollout import Engine, SamplingParams
 from rollout.runner.sampler import SamplingBatch, sample
-from rollout.sequence import Sequence
+from rollout.sequence import Sequence, uniforms
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 ROWS = 20000
@@ -33,7 +33,7 @@ def expected(params: SamplingParams) -> np.ndarray:
 
 def draw(params: SamplingParams, seed: int = 0) -> np.ndarray:
     seqs = [Sequence(i, 0, 0, [0], 1, params, seed * ROWS + i) for i in range(ROWS)]
-    sb = SamplingBatch.build([params] * ROWS, [s.uniform() for s in seqs], len(LOGITS), torch.device("cpu"))
+    sb = SamplingBatch.build([params] * ROWS, uniforms(seqs), len(LOGITS), torch.device("cpu"))
     res = sample(LOGITS.repeat(ROWS, 1), sb)
     return np.bincount(res.tokens.numpy(), minlength=len(LOGITS))
 
