@@ -118,10 +118,7 @@ class Engine(MemoryMixin, WeightsMixin):
             # the engine's own share of the device (weights, KV, graphs), never more than is free now:
             # a trainer or another engine in the process may hold the rest
             free, total = torch.cuda.mem_get_info(self.device)
-            weights = sum(
-                t.numel() * t.element_size()
-                for t in {p.data_ptr(): p for p in self.model.parameters()}.values()
-            )
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())  # tied: once
             budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
             num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:

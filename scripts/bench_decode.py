@@ -43,8 +43,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every distinct parameter (a tied embedding is read once, as the LM head)."""
-    params = {p.data_ptr(): p for p in model.parameters()}
-    return sum(p.numel() * p.element_size() for p in params.values())
+    return sum(
+        p.numel() * p.element_size() for p in model.parameters()
+    )  # parameters() yields a tied one once
 
 
 def kv_bytes(engine: Engine, batch: int, tokens: int) -> int:
