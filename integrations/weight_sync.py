@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from rollout.weights import broadcast as bc
-from rollout.weights import ipc
+from rollout import ipc
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, write
 
 DEFAULT_BUCKET_BYTES = 512 << 20

@@ -1,13 +1,24 @@
-"""The engine: load a checkpoint, then generate with continuous batching over a paged KV cache."""
+"""The engine: load a checkpoint, then generate with continuous batching over a paged KV cache.
+
+The engine builds and owns its components and drives one step loop:
+`add_request` queues, `step` runs schedule -> run -> postprocess once, `generate` loops over `step`.
+Every public method takes one lock, so calls from several threads are serialised, never interleaved.
+See docs/architecture.md.
+"""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import random
+import threading
 import time
-from dataclasses import replace
+import weakref
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -17,56 +28,94 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
-from rollout.memory import MemoryMixin, MemoryState, make_memory_saver
+from rollout.memory import MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
-from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.outputs import RequestOutput
 from rollout.requests import check_lengths, check_prompts, normalize_params, normalize_prompts
-from rollout.runner.graphs import GraphRunner
-from rollout.runner.model_runner import ModelRunner, StepOutput
+from rollout.results import request_output
+from rollout.runner.model_runner import ModelRunner
 from rollout.sampling import SamplingParams
-from rollout.scheduler import ScheduledBatch, Scheduler
-from rollout.sequence import Sequence
-from rollout.stop import check_finish
+from rollout.scheduler import Scheduler
+from rollout.sequence import Request, Sequence
+from rollout.stop import StopChecker
+from rollout.weights import broadcast
 from rollout.weights.loader import load_checkpoint
-from rollout.weights.updates import WeightsMixin
+from rollout.weights.manager import WeightManager
 
 log = logging.getLogger("rollout")
 
 CPU_DEFAULT_TOKENS = 32768
 GPU_RESERVE_BYTES = 2 << 30  # activations, logits, sampling and graph buffers beside weights and KV
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Engine(MemoryMixin, WeightsMixin):
+def serialised(fn: F) -> F:
+    """Run a public method under the engine's lock (re-entrant: generate calls step)."""
+
+    @functools.wraps(fn)
+    def locked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{fn.__name__}: the engine was shut down")
+            return fn(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A read-only snapshot of the engine's state (`Engine.stats`)."""
+
+    requests: int  # in flight
+    running: int  # sequences on the device
+    waiting: int  # sequences queued (preempted ones included)
+    pages_total: int
+    pages_free: int  # free or held only by the prefix cache
+    pages_cached: int  # pages indexed in the prefix cache
+    page_size: int
+    steps: int  # since the engine started
+    prefill_tokens: int
+    decode_tokens: int
+    preemptions: int
+    graph_steps: int  # decode steps replayed from a CUDA graph
+    eager_steps: int
+    weight_version: int
+    released_tags: frozenset[str]
+
+
+class Engine:
     def __init__(self, model: str | Path, *, tp_group: Any = None, **options: Any):
         """`tp_group`: a ProcessGroup or 1-D DeviceMesh to shard the model over (default: groups of
         `tp_size` consecutive ranks of the torch.distributed world). See rollout/distributed.py."""
-        self.config = EngineConfig(model=model, **options)
-        cfg = self.config
+        self._lock = threading.RLock()
+        self._closed = False
+        self.config = cfg = EngineConfig(model=model, **options)
         self.device = cfg.torch_device
-        self.model_config = ModelConfig.from_path(cfg.model)
-        mc = self.model_config
+        self.model_config = mc = ModelConfig.from_path(cfg.model)
         self.tp = tp = make_tp_group(
             cfg.tp_size, tp_group, device=self.device, timeout_s=cfg.tp_timeout, model_sizes=mc.tp_sizes
         )
         self.config = cfg = replace(cfg, tp_size=tp.size)
         self.dtype = cfg.torch_dtype(mc.torch_dtype)
-        self.max_model_len = self._max_model_len()
-        self.memory_saver = make_memory_saver(cfg.enable_memory_saver, self.device)
-        self._memory = MemoryState()
+        self._max_model_len = self._check_max_model_len()
+        saver = make_memory_saver(cfg.enable_memory_saver, self.device)
         t0 = time.perf_counter()
-        with self.memory_saver.region("weights"):
+        with saver.region("weights"):
             self.model = model_class(mc.architecture)(
-                mc, dtype=self.dtype, device=self.device, max_positions=self.max_model_len, tp=tp
+                mc, dtype=self.dtype, device=self.device, max_positions=self._max_model_len, tp=tp
             )
             load_checkpoint(self.model, cfg.model)
         self.tokenizer = _load_tokenizer(cfg.model)
-        self.eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
-        with self.memory_saver.region("kv_cache"):
+        eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
+        with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
-            self.pages, max_running=cfg.max_running_requests, max_prefill_tokens=cfg.max_prefill_tokens
+            self.pages,
+            StopChecker(eos_ids, self.tokenizer),
+            max_running=cfg.max_running_requests,
+            max_prefill_tokens=cfg.max_prefill_tokens,
         )
         self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
@@ -77,15 +126,24 @@ class Engine(MemoryMixin, WeightsMixin):
             backend,
             mc.vocab_size,
             self.device,
-            max_model_len=self.max_model_len,
+            max_model_len=self._max_model_len,
             max_running=cfg.max_running_requests,
         )
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
-            self.runner.graphs = self._capture_graphs(backend)
+            max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
+            self.runner.capture_graphs(max_bs, mc.hidden_size, self.dtype, saver.cuda_graph)
+        self.memory = MemoryManager(saver, self.device, self.model, self.kv)
+        self.weights = WeightManager(self.model, mc, self.device, tp)
         self._rng = random.Random(cfg.seed)
-        self._next_seq_id = 0
-        self.weight_version = 0
-        self.last_stats: dict[str, float] = {}
+        self._seq_ids = itertools.count()
+        self._generate_ids = itertools.count()
+        self._totals = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
+        self._last_stats: dict[str, float] = {}
+        # frees the engine's device memory in order before the interpreter tears torch down
+        self._finalizer = weakref.finalize(
+            self, _release_device_memory, saver, self.model, self.kv, self.runner
+        )
         log.info(
             "loaded %s (%s, %s) on %s in %.1fs: KV pool %d tokens (%.2f GB), attention=%s",
             Path(cfg.model).name,
@@ -99,7 +157,7 @@ class Engine(MemoryMixin, WeightsMixin):
         )
 
     # -- set-up -----------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
+    def _check_max_model_len(self) -> int:
         mc, limit = self.model_config, self.config.max_model_len
         cap = mc.max_position_embeddings
         if mc.sliding_window:  # full attention equals sliding-window attention only inside the window
@@ -132,26 +190,119 @@ class Engine(MemoryMixin, WeightsMixin):
         num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
         return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
 
-    def _capture_graphs(self, backend: Any) -> GraphRunner:
-        cfg, mc = self.config, self.model_config
-        graphs = GraphRunner(
-            self.model,
-            backend,
-            max_bs=min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests),
-            max_pages=-(-self.max_model_len // cfg.page_size),
-            hidden_size=mc.hidden_size,
-            dtype=self.dtype,
-            device=self.device,
-            capture_context=self.memory_saver.cuda_graph,  # tags the graph memory "cuda_graph"
-        )
-        graphs.capture()
-        return graphs
-
+    # -- facts ------------------------------------------------------------------------------------
     @property
     def pool_tokens(self) -> int:
+        """Tokens the KV pool holds."""
         return self.kv.num_pages * self.kv.page_size
 
-    # -- generation -------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + completion a request may have."""
+        return self._max_model_len
+
+    @property
+    def weight_version(self) -> int:
+        """Bumped by every successful weight update."""
+        return self.weights.version
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """The memory tags released now."""
+        return self.memory.released
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        """The last generate call's steps, prefill and decode tokens, seconds and preemptions."""
+        return dict(self._last_stats)
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the requests, pages, steps and graph replays (read-only)."""
+        sched, pages = self.scheduler, self.pages
+        return EngineStats(
+            requests=len(sched.requests),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            pages_total=pages.num_pages,
+            pages_free=pages.available(),
+            pages_cached=len(pages.index),
+            page_size=pages.page_size,
+            **self._totals,
+            preemptions=sched.num_preemptions,
+            graph_steps=self.runner.graph_steps,
+            eager_steps=self.runner.eager_steps,
+            weight_version=self.weights.version,
+            released_tags=self.memory.released,
+        )
+
+    # -- requests ---------------------------------------------------------------------------------
+    @serialised
+    def add_request(
+        self,
+        request_id: Hashable,
+        input_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        stream: bool = False,
+    ) -> None:
+        """Queue one prompt (token ids, or text with `prompt=`); `step` runs it. With `stream=True`,
+        `step` reports every advance of it as a delta, otherwise only its end."""
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise TypeError(f"request_id must be a str or an int, got {type(request_id).__name__}")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if not isinstance(stream, bool):
+            raise TypeError(f"stream must be a bool, got {type(stream).__name__}")
+        with agreement(self.tp, "add_request inputs") as agreed:
+            if input_ids is not None and (
+                not isinstance(input_ids, list) or not all(not isinstance(t, list) for t in input_ids)
+            ):
+                raise TypeError("add_request: input_ids must be one list of token ids")
+            tokens, texts, params = self._check_inputs(
+                None if prompt is None else [prompt],
+                None if input_ids is None else [input_ids],
+                sampling_params,
+            )
+            agreed.propose(inputs=(request_id, tokens, params), engine_state=self._schedule_state())
+        self._queue(request_id, tokens[0], params[0], texts[0] if texts else None, stream)
+
+    @serialised
+    def step(self) -> list[RequestOutput]:
+        """Run one step of the batch; returns the requests it finished, deltas of streamed ones, and the
+        requests a release or weight update aborted since the last step."""
+        reported = [request_output(r, self.tokenizer) for r in self._aborted]
+        self._aborted.clear()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return reported
+        try:
+            out = self.runner.step(batch)
+        except BaseException:
+            self.scheduler.abort_all()  # a failed step leaves no request half-computed
+            raise
+        self._totals["steps"] += 1
+        self._totals["decode_tokens" if batch.decode else "prefill_tokens"] += batch.num_tokens
+        touched = self.scheduler.postprocess(batch, out)
+        return reported + [request_output(r, self.tokenizer) for r in touched if r.stream or r.finished]
+
+    @serialised
+    def abort_request(self, request_id: Hashable) -> RequestOutput | None:
+        """End a request in flight; its pages are freed at once. Returns its output so far (whole,
+        finish_reason "abort"), or None when no such request is in flight."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        req.stream = False  # the abort reports the whole output
+        return request_output(req, self.tokenizer)
+
+    @serialised
+    def has_unfinished(self) -> bool:
+        """Whether requests are in flight (queued or running)."""
+        return bool(self.scheduler.requests)
+
+    @serialised
     def generate(
         self,
         prompts: str | list[str] | None = None,
@@ -161,100 +312,227 @@ class Engine(MemoryMixin, WeightsMixin):
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; one RequestOutput per prompt, in order."""
+        if self.scheduler.requests:
+            raise RuntimeError(
+                "generate: requests added with add_request are in flight; run step() until "
+                "has_unfinished() is False (or abort them) first"
+            )
         with agreement(self.tp, "generate inputs") as agreed:  # a TP group runs one schedule
-            token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
-            check_prompts(token_lists, self.model_config.vocab_size)
-            params = normalize_params(sampling_params, len(token_lists))
-            check_lengths(token_lists, params, self.max_model_len, self.pool_tokens)
-            if self.tokenizer is None and any(p.stop_strings for p in params):
-                raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
-            self._check_ready()
+            token_lists, texts, params = self._check_inputs(prompts, input_ids, sampling_params)
             agreed.propose(inputs=(token_lists, params), engine_state=self._schedule_state())
-        groups = [self._make_group(i, tokens, p) for i, (tokens, p) in enumerate(zip(token_lists, params))]
-        for group in groups:
-            self.scheduler.add(group[0], group[1:])
-        show = len(groups) > 1 if use_tqdm is None else use_tqdm
-        self._run(sum(len(g) for g in groups), show)
-        return [
-            self._request_output(g, tokens, text)
-            for g, tokens, text in zip(groups, token_lists, texts or [None] * len(groups))
-        ]
+        ids = [f"generate-{next(self._generate_ids)}" for _ in token_lists]
+        for rid, tokens, p, text in zip(ids, token_lists, params, texts or [None] * len(ids)):
+            self._queue(rid, tokens, p, text, stream=False)
+        show = len(ids) > 1 if use_tqdm is None else use_tqdm
+        done = self._run_to_end(sum(p.n for p in params), show)
+        return [done[rid] for rid in ids]
 
-    def _schedule_state(self) -> tuple:
-        """What, besides the inputs, decides the schedule and the seeds (equal on the ranks of a group)."""
-        return self._rng.getstate(), len(self.pages.index), self.pages.available(), self.kv.num_pages
-
-    def _make_group(self, request: int, tokens: list[int], p: SamplingParams) -> list[Sequence]:
-        seqs = []
-        for sample in range(p.n):
-            seed = self._rng.getrandbits(63) if p.seed is None else p.seed * 1_000_003 + sample
-            seqs.append(Sequence(self._next_seq_id, request, sample, list(tokens), len(tokens), p, seed))
-            self._next_seq_id += 1
-        return seqs
-
-    def _run(self, num_seqs: int, show: bool) -> None:
+    def _run_to_end(self, num_seqs: int, show: bool) -> dict[Hashable, RequestOutput]:
         bar = tqdm(total=num_seqs, desc="generate", unit="seq", disable=not show, dynamic_ncols=True)
-        t0, stats = time.perf_counter(), {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        t0, before = time.perf_counter(), (dict(self._totals), self.scheduler.num_preemptions)
+        done: dict[Hashable, RequestOutput] = {}
         try:
-            while (batch := self.scheduler.schedule()) is not None:
-                out = self.runner.step(batch)
-                done = self._postprocess(batch, out)
-                stats["steps"] += 1
-                stats["decode_tokens" if batch.decode else "prefill_tokens"] += batch.num_tokens
-                if done:
-                    bar.update(done)
+            while self.scheduler.requests:
+                for out in self.step():
+                    done[out.request_id] = out
+                    bar.update(len(out.outputs))
                     elapsed = time.perf_counter() - t0
-                    bar.set_postfix_str(f"{stats['decode_tokens'] / elapsed:.0f} tok/s", refresh=False)
+                    tok_s = (self._totals["decode_tokens"] - before[0]["decode_tokens"]) / elapsed
+                    bar.set_postfix_str(f"{tok_s:.0f} tok/s", refresh=False)
         except BaseException:
             self.scheduler.abort_all()  # free every page so the engine stays usable
             raise
         finally:
             bar.close()
+        stats: dict[str, float] = {k: v - before[0][k] for k, v in self._totals.items()}
         stats["seconds"] = time.perf_counter() - t0
-        stats["preemptions"] = self.scheduler.num_preemptions
-        self.last_stats = stats
+        stats["preemptions"] = self.scheduler.num_preemptions - before[1]
+        self._last_stats = stats
+        return done
 
-    def _postprocess(self, batch: ScheduledBatch, out: StepOutput | None) -> int:
-        ready = self.scheduler.advance(batch)
-        finished = 0
-        for i, seq in enumerate(ready):
-            seq.token_ids.append(out.tokens[i])
-            if seq.params.logprobs:
-                seq.logprobs.append(out.logprobs[i])
-            if seq.params.top_logprobs:
-                k = seq.params.top_logprobs
-                seq.top_logprobs.append(dict(list(out.top[i].items())[:k]))
-            if check_finish(seq, self.eos_ids, self.tokenizer):
-                self.scheduler.finish(seq)
-                finished += 1
-        return finished
+    def _check_inputs(
+        self, prompts: Any, input_ids: Any, sampling_params: Any
+    ) -> tuple[list[list[int]], list[str] | None, list[SamplingParams]]:
+        token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
+        check_prompts(token_lists, self.model_config.vocab_size)
+        params = normalize_params(sampling_params, len(token_lists))
+        check_lengths(token_lists, params, self._max_model_len, self.pool_tokens)
+        if self.tokenizer is None and any(p.stop_strings for p in params):
+            raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
+        self._check_ready("cannot generate")
+        return token_lists, texts, params
 
-    def _request_output(self, group: list[Sequence], prompt: list[int], text: str | None) -> RequestOutput:
-        outs = []
-        for seq in group:
-            p = seq.params
-            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
-                seq.text = self._decode(seq.output_ids, p.skip_special_tokens)
-            outs.append(
-                CompletionOutput(
-                    index=seq.sample,
-                    token_ids=seq.output_ids,
-                    text=seq.text,
-                    logprobs=list(seq.logprobs) if p.logprobs else None,
-                    top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
+    def _check_ready(self, action: str) -> None:
+        """Raise instead of generating from released memory or discarded weights."""
+        self.memory.check_resident(action)
+        self.weights.check_valid(action)
+
+    def _schedule_state(self) -> tuple:
+        """What, besides the inputs, decides the schedule and the seeds (equal on the ranks of a group)."""
+        return self._rng.getstate(), len(self.pages.index), self.pages.available(), self.kv.num_pages
+
+    def _queue(
+        self, request_id: Hashable, tokens: list[int], p: SamplingParams, text: str | None, stream: bool
+    ) -> None:
+        seqs = []
+        for sample in range(p.n):
+            seed = self._rng.getrandbits(63) if p.seed is None else p.seed * 1_000_003 + sample
+            seqs.append(Sequence(next(self._seq_ids), request_id, sample, list(tokens), len(tokens), p, seed))
+        self.scheduler.add(Request(request_id, list(tokens), p, seqs, prompt=text, stream=stream))
+
+    # -- memory -----------------------------------------------------------------------------------
+    @serialised
+    def release_memory_occupation(
+        self,
+        tags: str | Iterable[str] | None = None,
+        *,
+        abort: bool = False,
+        keep_weights_backup: bool = False,
+    ) -> None:
+        """Give memory back to the device: "weights", "kv_cache", "cuda_graph" (None: all).
+
+        Refuses while requests are in flight unless `abort=True` aborts them. The KV content and the
+        prefix cache are dropped. Weights are discarded (the trainer pushes new ones before the next
+        generate) unless `keep_weights_backup=True` keeps a host copy that resume restores.
+        """
+        wanted = check_tags(tags)
+        self._drain("release_memory_occupation", abort)
+        if "kv_cache" in wanted:
+            self.pages.reset()  # the KV content goes, and with it every cached prefix
+        releasing_weights = "weights" in wanted and "weights" not in self.memory.released
+        self.memory.release(wanted, keep_weights_backup=keep_weights_backup)
+        if releasing_weights and not keep_weights_backup:
+            self.weights.discard()
+
+    @serialised
+    def resume_memory_occupation(self, tags: str | Iterable[str] | None = None) -> None:
+        """Take released memory back (None: all). Resuming only "weights" first, updating them, then
+        the rest keeps the peak low (staged wake)."""
+        self.memory.resume(check_tags(tags))
+
+    def _drain(self, action: str, abort: bool) -> None:
+        """Refuse while requests are in flight (their KV would mix states), unless told to abort them."""
+        if not self.scheduler.requests:
+            return
+        if not abort:
+            raise RuntimeError(
+                f"{action}: requests are still in flight; let them finish, or pass abort=True to abort them"
             )
-        return RequestOutput(prompt_token_ids=list(prompt), outputs=outs, prompt=text)
+        aborted = self.scheduler.abort_all()
+        for req in aborted:
+            req.stream = False  # reported whole by the next step()
+        self._aborted += aborted
+        log.warning("%s aborted %d in-flight requests", action, len(aborted))
 
-    def _decode(self, ids: list[int], skip_special: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special) if self.tokenizer else ""
+    # -- weights ----------------------------------------------------------------------------------
+    @serialised
+    def update_weights_from_tensor(
+        self, named_tensors: Any, load_format: str | None = None, *, abort: bool = False
+    ) -> int:
+        """Load `named_tensors`: a list of (HF name, tensor), or with load_format="flattened_bucket" a
+        FlattenedBucket (or SGLang's {"flattened_tensor", "metadata"} dict). Returns tensors loaded."""
+        return self._load(self.weights.unpack(named_tensors, load_format), abort)
 
-    # -- cache ------------------------------------------------------------------------------------
+    @serialised
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[Any],
+        shapes: list[Any],
+        group_name: str,
+        load_format: str | None = None,
+        *,
+        abort: bool = False,
+    ) -> int:
+        """Receive tensors broadcast by rank 0 of `group_name` (one per name, in order, or one flattened
+        buffer), then load them; a bad set leaves the weights as they were."""
+        return self._load(self.weights.receive(names, dtypes, shapes, group_name, load_format), abort)
+
+    @serialised
+    def update_weights_from_disk(self, model_path: str | Path, *, abort: bool = False) -> int:
+        """Load every weight of a HF checkpoint folder with the same architecture and shapes."""
+        self._before_weight_update(abort)
+        count = self.weights.load_disk(model_path)
+        self.pages.flush()  # cached prefixes hold KV computed by the old weights
+        return count
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], abort: bool) -> int:
+        self._before_weight_update(abort)
+        count = self.weights.load(named)
+        self.pages.flush()  # cached prefixes hold KV computed by the old weights
+        return count
+
+    def _before_weight_update(self, abort: bool) -> None:
+        self.memory.check_weights_resident("updating weights")
+        self._drain("updating weights", abort)
+
+    @serialised
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        *,
+        timeout: float = broadcast.DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """Join a trainer's broadcast group as rank `rank_offset + tp rank`; blocks until all joined."""
+        self.weights.join_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout
+        )
+
+    @serialised
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.weights.leave_group(group_name)
+
+    @serialised
+    def get_weights_by_name(self, name: str, truncate_size: int | None = None) -> torch.Tensor:
+        """A CPU copy of the weight as Hugging Face shapes it (fused q/k/v and gate/up split back out,
+        tied embeddings answered for lm_head); `truncate_size` keeps the first rows only."""
+        self.memory.check_weights_resident("get_weights_by_name")
+        self.weights.check_valid("get_weights_by_name")
+        return self.weights.read(name, truncate_size)
+
+    @serialised
     def flush_cache(self) -> None:
         """Drop the prefix cache (cached prompt pages); running requests are not affected."""
         self.pages.flush()
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Abort what is in flight and free the engine's device memory; later calls raise. Safe to call
+        twice; also runs when the engine is collected or the interpreter exits."""
+        with self._lock:
+            if self._closed:
+                return
+            self.scheduler.abort_all()
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _release_device_memory(saver: Any, model: torch.nn.Module, kv: KVPool, runner: ModelRunner) -> None:
+    """Drop the engine's tensors while torch and torch_memory_saver still run: memory-saver regions
+    are resumed first (a paused region cannot be freed) and freed inside their own tag."""
+    if not saver.enabled:
+        return
+    for tag in ("cuda_graph", "kv_cache", "weights"):
+        saver.resume_if_paused(tag)
+    torch.cuda.synchronize(saver.device)
+    runner.graphs = None
+    with saver.region("kv_cache"):
+        kv.free()
+    with saver.region("weights"):
+        for p in itertools.chain(model.parameters(), model.buffers()):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        torch.cuda.empty_cache()
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -1,7 +1,8 @@
-"""What generate returns: one RequestOutput per prompt, one CompletionOutput per sample."""
+"""What the engine returns: one RequestOutput per request, one CompletionOutput per sample."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request's samples. From `generate`, and from `step` for a finished request, each sample holds
+    its whole output; for a streamed request `step` reports deltas: the tokens, logprobs and text
+    added since the request's previous output (`finished` tells the last one)."""
+
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None
+    request_id: Hashable = None
+    finished: bool = True

@@ -1,10 +1,14 @@
 """EngineProcess: the Engine's API with the engine living in a child process (spawned).
 
-Calls travel over a pipe as (method, args). Tensors among the arguments travel as handles (CUDA IPC
-on a GPU, shared memory on a CPU; see weights/ipc.py), never as pickled bytes. The child finishes the
-call, synchronises its device and drops the tensors it opened before it answers, so once a call has
-returned the sender may overwrite or free its buffers. An exception raised in the child is raised
-again in the parent with its type and message (the child's traceback is attached as its cause).
+Its methods are generated from the one list of the engine's public methods (rollout/api.py), with
+Engine's signatures and docstrings, so the two never drift; `add_request` / `step` cross too. Calls
+travel over a pipe (rollout/wire.py). Tensors among the arguments travel as handles (CUDA IPC on a
+GPU, shared memory on a CPU; see rollout/ipc.py), never as pickled bytes; a long list of CPU tensors
+crosses as one flattened bucket (one file descriptor, not one per tensor). The child finishes the call,
+synchronises its device and drops the tensors it opened before it answers, so once a call has
+returned the sender may overwrite or free its buffers. An exception raised in the child, also one
+raised while unpickling a call's arguments, is raised again in the parent with its type and message
+(the child's traceback attached as its cause) and the child keeps serving.
 
 `submit` sends a call without waiting, so a sender can prepare the next buffer while the engine
 copies the previous one; answers come back in order.
@@ -12,42 +16,25 @@ copies the previous one; answers come back in order.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import multiprocessing as mp
 import pickle
-import traceback
 import weakref
-from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from rollout.weights import ipc
+from rollout import ipc
+from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.engine import Engine
+from rollout.weights.bucket import empty_buffer, pack
+from rollout.wire import CLOSE, GET, Call, RemoteTraceback, Reply, error_reply, unwrap
 
-CLOSE = "__close__"
-GET = "__getattr__"
+__all__ = ["EngineProcess", "PendingCall", "RemoteTraceback"]
 
-
-@dataclass
-class _Request:
-    id: int
-    method: str
-    args: tuple
-    kwargs: dict
-
-
-@dataclass
-class _Reply:
-    id: int
-    ok: bool
-    value: Any  # the result, or the exception
-    traceback: str = ""
-
-
-class RemoteTraceback(Exception):
-    """Carries the child's traceback text; set as the cause of an exception re-raised in the parent."""
-
-    def __str__(self) -> str:
-        return "\n\nTraceback in the engine process:\n" + self.args[0]
+KILL_GRACE_S = 3.0  # after terminate(), how long a child gets before it is killed
+BUCKET_FROM = 32  # CPU tensor lists at least this long cross as one bucket
 
 
 class PendingCall:
@@ -64,6 +51,8 @@ class EngineProcess:
     """Same arguments and methods as Engine; the engine runs in a spawned child process. One thread
     at a time may use it (calls share one pipe)."""
 
+    # the methods and properties of rollout.api are attached below the class
+
     def __init__(self, model: str | Path, *, start_timeout: float = 900.0, **options: Any):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -72,14 +61,14 @@ class EngineProcess:
         child.close()
         self._ids = itertools.count(1)
         self._pending: list[PendingCall] = []
-        self._done: dict[int, _Reply] = {}
+        self._done: dict[int, Reply] = {}
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._conn, self._proc)
+        self._finalizer = weakref.finalize(self, _stop_child, self._conn, self._proc)
         if not self._conn.poll(start_timeout):
             self.close()
             raise TimeoutError(f"the engine process did not start within {start_timeout:g}s")
         try:
-            self.info = _unwrap(self._recv())
+            self.info = unwrap(self._recv())
         except BaseException:
             self.close()
             raise
@@ -90,17 +79,18 @@ class EngineProcess:
         if self._closed:
             raise RuntimeError("the engine process is closed")
         devices: set = set()
-        req = _Request(
-            next(self._ids), method, ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)
-        )
+        if method == "update_weights_from_tensor":
+            args, kwargs = _cpu_list_as_bucket(args, kwargs)
+        payload = ForkingPickler.dumps((ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)))
         ipc.ready_for_peer(devices)
+        call_id = next(self._ids)
         try:
-            self._conn.send(req)
+            self._conn.send(Call(call_id, method, (bytes(payload),), {}))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self._proc.join(timeout=5)
             self._closed = True
             raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
-        call = PendingCall(self, req.id, devices)
+        call = PendingCall(self, call_id, devices)
         self._pending.append(call)
         return call
 
@@ -113,7 +103,7 @@ class EngineProcess:
         self._pending = [p for p in self._pending if p.id != call.id]
         if any(d.type == "cuda" for d in call._devices):
             ipc.release()  # the child dropped its handles: free blocks we no longer hold
-        return _unwrap(reply)
+        return unwrap(reply)
 
     def _read_until(self, call_id: int) -> None:
         """Read answers (they come in order) until `call_id`'s has arrived."""
@@ -121,7 +111,7 @@ class EngineProcess:
             reply = self._recv()
             self._done[reply.id] = reply
 
-    def _recv(self) -> _Reply:
+    def _recv(self) -> Reply:
         try:
             return self._conn.recv()
         except (EOFError, OSError):
@@ -129,61 +119,24 @@ class EngineProcess:
             self._closed = True
             raise RuntimeError(f"the engine process died (exit code {self._proc.exitcode})") from None
 
-    # -- the Engine API ---------------------------------------------------------------------------
-    def generate(self, prompts=None, sampling_params=None, *, input_ids=None, use_tqdm=None):
-        return self.call("generate", prompts, sampling_params, input_ids=input_ids, use_tqdm=use_tqdm)
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, *, abort=False) -> int:
-        return self.call("update_weights_from_tensor", named_tensors, load_format, abort=abort)
-
-    def init_weights_update_group(
-        self, master_address, master_port, rank_offset, world_size, group_name, backend="nccl", **kw
-    ) -> None:
-        return self.call(
-            "init_weights_update_group",
-            master_address,
-            master_port,
-            rank_offset,
-            world_size,
-            group_name,
-            backend,
-            **kw,
-        )
-
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None, **kw):
-        return self.call(
-            "update_weights_from_distributed", names, dtypes, shapes, group_name, load_format, **kw
-        )
-
-    def destroy_weights_update_group(self, group_name) -> None:
-        return self.call("destroy_weights_update_group", group_name)
-
-    def update_weights_from_disk(self, model_path, **kw) -> int:
-        return self.call("update_weights_from_disk", str(model_path), **kw)
-
-    def get_weights_by_name(self, name, truncate_size=None):
-        return self.call("get_weights_by_name", name, truncate_size)
-
-    def flush_cache(self) -> None:
-        return self.call("flush_cache")
-
-    def release_memory_occupation(self, tags=None, **kw):
-        return self.call("release_memory_occupation", tags, **kw)
-
-    def resume_memory_occupation(self, tags=None, **kw):
-        return self.call("resume_memory_occupation", tags, **kw)
-
-    @property
-    def weight_version(self) -> int:
-        return self.call(GET, "weight_version")
-
     # -- lifetime ---------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return not self._closed and self._proc.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The child's exit status once it has ended (None while it runs)."""
+        return self._proc.exitcode
+
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the child (pending calls are answered first); safe to call twice."""
+        """Stop the child: pending calls are answered first, then it shuts its engine down and exits.
+        A child that does not stop within `timeout` is terminated, then killed; it is always reaped.
+        Safe to call twice."""
         if self._closed:
             return
         try:
@@ -193,9 +146,11 @@ class EngineProcess:
             pass  # the child died; _recv said so
         self._closed = True
         self._finalizer.detach()
-        _shutdown(self._conn, self._proc, timeout)
+        _stop_child(self._conn, self._proc, timeout)
 
-    shutdown = close
+    def shutdown(self) -> None:
+        """Engine.shutdown: here it stops the child process (see close)."""
+        self.close()
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -204,22 +159,74 @@ class EngineProcess:
         self.close()
 
 
-def _unwrap(reply: _Reply) -> Any:
-    if reply.ok:
-        return reply.value
-    raise reply.value from RemoteTraceback(reply.traceback)
-
-
-def _shutdown(conn: Any, proc: Any, timeout: float = 30.0) -> None:
+def _stop_child(conn: Any, proc: Any, timeout: float = 30.0) -> None:
     try:
-        conn.send(_Request(0, CLOSE, (), {}))
+        conn.send(Call(0, CLOSE, (), {}))
     except (OSError, ValueError):
         pass
     proc.join(timeout)
     if proc.is_alive():
         proc.terminate()
-        proc.join(5)
+        proc.join(KILL_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(KILL_GRACE_S)
     conn.close()
+
+
+def _cpu_list_as_bucket(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """update_weights_from_tensor's long lists of CPU tensors as one shared-memory bucket: each shared
+    tensor would hold a file descriptor until the child is done, and hundreds reach the fd limit."""
+    try:
+        bound = inspect.signature(Engine.update_weights_from_tensor).bind(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # the child raises the real error
+    named, fmt = bound.arguments.get("named_tensors"), bound.arguments.get("load_format")
+    if isinstance(named, dict):
+        named = list(named.items())
+    if fmt is not None or not isinstance(named, (list, tuple)) or len(named) < BUCKET_FROM:
+        return args, kwargs
+    ok = all(
+        isinstance(item, (list, tuple))
+        and len(item) == 2
+        and isinstance(item[0], str)
+        and _plain_cpu(item[1])
+        for item in named
+    )
+    if not ok:
+        return args, kwargs
+    size = sum(t.numel() * t.element_size() for _, t in named)
+    bucket = pack(list(named), out=empty_buffer(size, shared=True))
+    bound.arguments["named_tensors"], bound.arguments["load_format"] = bucket, "flattened_bucket"
+    return bound.args[1:], bound.kwargs
+
+
+def _plain_cpu(t: Any) -> bool:
+    import torch
+
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+
+
+def _forward(name: str) -> Any:
+    def method(self: EngineProcess, *args: Any, **kwargs: Any) -> Any:
+        return self.call(name, *args, **kwargs)
+
+    engine_method = getattr(Engine, name)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = engine_method.__doc__
+    method.__signature__ = inspect.signature(engine_method)  # type: ignore[attr-defined]
+    return method
+
+
+def _read(name: str) -> property:
+    return property(lambda self: self.call(GET, name), doc=getattr(Engine, name).__doc__)
+
+
+for _name in ENGINE_METHODS:
+    if _name != "shutdown":
+        setattr(EngineProcess, _name, _forward(_name))
+for _name in ENGINE_PROPERTIES:
+    setattr(EngineProcess, _name, _read(_name))
 
 
 # -- the child ------------------------------------------------------------------------------------
@@ -232,43 +239,54 @@ def _serve(conn: Any, model: str, options: dict) -> None:
 
         engine = Engine(model, **options)
     except BaseException as e:  # report start-up errors (a bad path, a bad option) to the parent
-        conn.send(_error_reply(0, e))
+        conn.send(error_reply(0, e))
         conn.close()
         return
-    conn.send(_Reply(0, True, {"device": str(engine.device), "dtype": str(engine.dtype)}))
+    conn.send(Reply(0, True, {"device": str(engine.device), "dtype": str(engine.dtype)}))
+    try:
+        _serve_calls(conn, engine)
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+def _serve_calls(conn: Any, engine: Any) -> None:
     while True:
         try:
-            req: _Request = conn.recv()
+            req: Call = conn.recv()
         except (EOFError, OSError):
             return  # the parent went away
         if req.method == CLOSE:
-            conn.close()
             return
         reply = _handle(engine, req)
         try:
             conn.send(reply)
         except Exception as e:  # an answer that cannot be pickled becomes an error (nothing was written)
-            conn.send(_error_reply(req.id, e))
+            conn.send(error_reply(req.id, e))
 
 
-def _handle(engine: Any, req: _Request) -> _Reply:
+def _handle(engine: Any, req: Call) -> Reply:
     try:
+        # unpickled here, not by recv(): arguments that cannot be rebuilt fail this call only
+        args, kwargs = pickle.loads(req.args[0])
+        req.args = ()
         if req.method == GET:
-            return _Reply(req.id, True, getattr(engine, req.args[0]))
-        if req.method.startswith("_"):
+            if args[0] not in ENGINE_PROPERTIES:
+                raise AttributeError(f"Engine.{args[0]} is not a property of the API")
+            return Reply(req.id, True, getattr(engine, args[0]))
+        if req.method not in ENGINE_METHODS:
             raise AttributeError(f"Engine.{req.method} is not part of the API")
         fn = getattr(engine, req.method)
-        args, kwargs = ipc.open_handles(req.args), ipc.open_handles(req.kwargs)
-        req.args = req.kwargs = None
+        args, kwargs = ipc.open_handles(args), ipc.open_handles(kwargs)
         value = fn(*args, **kwargs)
         del args, kwargs  # drop the opened tensors before answering, so the sender may free them
         if engine.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(engine.device)  # every copy out of the sender's memory is done
-        return _Reply(req.id, True, _to_cpu(value))
+        return Reply(req.id, True, _to_cpu(value))
     except BaseException as e:
-        return _error_reply(req.id, e)
+        return error_reply(req.id, e)
 
 
 def _to_cpu(value: Any) -> Any:
@@ -280,14 +298,3 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
         return type(value)(_to_cpu(v) for v in value)
     return value
-
-
-def _error_reply(call_id: int, e: BaseException) -> _Reply:
-    tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    try:
-        pickle.loads(pickle.dumps(e))
-        err: BaseException = e
-    except Exception:  # an exception that cannot cross keeps its type name and message
-        err = RuntimeError(f"{type(e).__name__}: {e}")
-    err.__traceback__ = None
-    return _Reply(call_id, False, err, tb)

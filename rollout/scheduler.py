@@ -4,15 +4,21 @@ A step is either a prefill step (chunks of prompts under a token budget, partial
 decode step (one token for every running sequence). Prefill goes first, so new requests join between
 decode steps. When the pool runs out of pages the newest running sequence is preempted: its pages
 are freed and it waits to be recomputed from its tokens later; it is never dropped.
+
+After the model ran, `postprocess` appends the sampled tokens, checks stops, and finishes and frees
+what ended. The scheduler owns the requests in flight: they leave it when finished or aborted.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from rollout.cache.pages import PageManager
-from rollout.sequence import Sequence, Status
+from rollout.runner.batch import StepOutput
+from rollout.sequence import Request, Sequence, Status
+from rollout.stop import StopChecker
 
 
 @dataclass
@@ -27,15 +33,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pages: PageManager, *, max_running: int, max_prefill_tokens: int):
-        self.pages = pages
+    def __init__(self, pages: PageManager, stops: StopChecker, *, max_running: int, max_prefill_tokens: int):
+        self.pages, self.stops = pages, stops
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.requests: dict[Hashable, Request] = {}  # in flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, leader: Sequence, followers: list[Sequence]) -> None:
+    def add(self, request: Request) -> None:
+        """Queue a request; its first sample prefills the prompt, the others then share its pages."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        leader, *followers = request.seqs
         leader.followers = followers
+        self.requests[request.request_id] = request
         self.waiting.append(leader)
 
     def has_work(self) -> bool:
@@ -130,7 +142,25 @@ class Scheduler:
         self.num_preemptions += 1
 
     # -- after the model ran ----------------------------------------------------------------------
-    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+    def postprocess(self, batch: ScheduledBatch, out: StepOutput | None) -> list[Request]:
+        """Account for the computed chunks, append the sampled tokens, finish what stopped. Returns the
+        requests that gained a token (finished ones have left the scheduler)."""
+        touched: dict[Hashable, Request] = {}
+        for i, seq in enumerate(self._advance(batch)):
+            seq.token_ids.append(out.tokens[i])
+            if seq.params.logprobs:
+                seq.logprobs.append(out.logprobs[i])
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(dict(list(out.top[i].items())[: seq.params.top_logprobs]))
+            if self.stops.check(seq):
+                self._finish(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for rid, req in touched.items():
+            if req.finished:
+                del self.requests[rid]
+        return list(touched.values())
+
+    def _advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Account for the computed chunks; returns the sequences that now sample a token."""
         ready, S = [], self.pages.page_size
         for seq, chunk in zip(batch.seqs, batch.chunks):
@@ -146,20 +176,27 @@ class Scheduler:
                     seq.followers = []
         return ready
 
-    def finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
         seq.status = Status.FINISHED
 
-    def abort_all(self) -> list[Sequence]:
-        """Stop every unfinished sequence (their pages are freed); returns them."""
-        aborted = []
-        for seq in [*self.running, *self.waiting]:
-            aborted += [seq, *seq.followers]
-        for seq in aborted:
-            self._free(seq)
-            seq.followers = []
-            seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        self.running.clear()
-        self.waiting.clear()
-        return aborted
+    # -- aborts -----------------------------------------------------------------------------------
+    def abort(self, request_id: Hashable) -> Request | None:
+        """End a request in flight (finish_reason "abort", tokens so far kept); None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        live = set(req.seqs)
+        self.running = [s for s in self.running if s not in live]
+        self.waiting = deque(s for s in self.waiting if s not in live)
+        for seq in req.seqs:
+            if seq.status is not Status.FINISHED:
+                self._free(seq)
+                seq.followers = []
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return req
+
+    def abort_all(self) -> list[Request]:
+        """Abort every request in flight (their pages are freed); returns them."""
+        return [self.abort(rid) for rid in list(self.requests)]

@@ -1,9 +1,12 @@
-"""One sample being generated: its tokens, its pages in the KV cache, and how it ended."""
+"""One request (a prompt and its n samples), and one sample being generated: its tokens, its pages in
+the KV cache, and how it ended."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +25,7 @@ class Status(Enum):
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
-    request: int  # index of its prompt in the generate call
+    request_id: Hashable
     sample: int  # which of the prompt's n samples
     token_ids: list[int]  # prompt + generated so far
     num_prompt: int
@@ -36,7 +39,10 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    text: str = ""
+    text: str = ""  # set when a stop string cut the output
+    detok: Any = None  # an IncrementalText while stop strings are checked
+    num_emitted: int = 0  # output tokens already handed out in stream deltas
+    num_emitted_chars: int = 0  # and characters of text
     # the prompt's other samples wait for this one's prefill, then share its cached prompt pages
     followers: list[Sequence] = field(default_factory=list)
 
@@ -56,6 +62,22 @@ class Sequence:
     def needs(self) -> int:
         """Tokens to compute before the next one can be sampled (1 while decoding)."""
         return len(self.token_ids) - self.num_computed
+
+
+@dataclass(eq=False)
+class Request:
+    """What add_request was given, and the n sequences that sample it."""
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    prompt: str | None = None  # the text, when given as text
+    stream: bool = False  # step() reports every advance as a delta, not only the end
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is Status.FINISHED for s in self.seqs)
 
 
 _U64 = [

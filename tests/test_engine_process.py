@@ -119,12 +119,12 @@ def test_close_and_child_death(checkpoints):
     pending = p.submit("get_weights_by_name", "model.norm.weight")
     p.close()  # answers the pending call first
     assert pending.result().shape == (64,)
-    assert not p.alive and p._proc.exitcode == 0
+    assert not p.alive and p.exitcode == 0
     p.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
         p.flush_cache()
     with EngineProcess(checkpoints["qwen2"], **OPTIONS) as q:
-        os.kill(q._proc.pid, signal.SIGKILL)
+        os.kill(q.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="died"):
             q.weight_version  # noqa: B018
     assert not q.alive

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rollout import Engine, SamplingParams
-from rollout.models.llama import ForwardContext
+from rollout.attention.base import ForwardContext
 from rollout.runner.graphs import GraphRunner, batch_ladder, padded_size
 from rollout.runner.page_table import HostPageTable
 from rollout.scheduler import ScheduledBatch
@@ -137,7 +137,7 @@ def splitmix_uniform(seed: int, draw: int) -> float:
 
 
 def test_packed_upload_keeps_dtypes_shapes_and_alignment():
-    from rollout.runner.transfer import to_device
+    from rollout.transfer import to_device
 
     arrays = [
         np.arange(5, dtype=np.int64),
@@ -237,7 +237,7 @@ def test_graph_padding_rows_touch_only_the_scratch_page(qwen3_dir):
         real = {(int(x) // 4, int(x) % 4) for x in host.slots}
         assert real <= written and written - real <= {(kv.scratch_page, 0)}
         kv.data.copy_(before)
-        eager = runner._device_inputs(host, None)
+        eager = runner.eager_inputs(host, None)
         ref = engine.model(eager.input_ids, eager.positions, ForwardContext(runner.backend, eager.attn))
     torch.testing.assert_close(padded[:3], ref, atol=1e-5, rtol=1e-5)
 

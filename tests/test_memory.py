@@ -11,7 +11,7 @@ from helpers import PROMPTS
 
 from rollout import Engine, SamplingParams
 from rollout.memory import MemorySaver, check_tags, expandable_segments_requested, make_memory_saver
-from rollout.weights.loader import iter_checkpoint, load_tensors, safetensors_files
+from rollout.weights.loader import iter_checkpoint, safetensors_files
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
@@ -21,11 +21,10 @@ def greedy(engine: Engine) -> list[list[int]]:
 
 
 def resend_weights(engine: Engine, path: str, names: set[str] | None = None) -> None:
-    """Stand-in for update_weights_from_tensor: load the checkpoint's tensors and mark them loaded."""
+    """What a trainer does after a release: push the checkpoint's tensors (all, or `names`)."""
     named = [(n, t.to(engine.device)) for n, t in iter_checkpoint(safetensors_files(path))]
     named = [(n, t) for n, t in named if names is None or n in names]
-    load_tensors(engine.model, named)
-    engine._mark_weights_loaded([n for n, _ in named])
+    engine.update_weights_from_tensor(named)
 
 
 @pytest.fixture
@@ -81,43 +80,40 @@ def test_staged_wake(engine, reference, qwen3_dir):
 
 
 def test_weights_cannot_be_updated_while_released(engine, qwen3_dir):
+    name = "model.embed_tokens.weight"
     engine.release_memory_occupation(tags=["weights"])
     with pytest.raises(RuntimeError, match="weights are released"):
-        engine._check_weights_resident("update_weights_from_tensor")
+        engine.get_weights_by_name(name)
     with pytest.raises(RuntimeError, match="weights are released"):
         resend_weights(engine, qwen3_dir)
     engine.resume_memory_occupation(tags="weights")
     with pytest.raises(RuntimeError, match="discarded"):
-        engine._check_weights_resident("get_weights_by_name", valid=True)
+        engine.get_weights_by_name(name)  # reads of discarded weights refuse, as generate does
     resend_weights(engine, qwen3_dir)
-    engine._check_weights_resident("get_weights_by_name", valid=True)
+    assert torch.isfinite(engine.get_weights_by_name(name)).all()
 
 
-def _start_requests(engine: Engine) -> list:
+def _start_requests(engine: Engine) -> None:
     """Queue two requests and run one prefill step, as a step loop between steps would have them."""
-    seqs = []
     for i, prompt in enumerate(PROMPTS[:2]):
-        group = engine._make_group(i, prompt, SamplingParams(temperature=0.0, max_new_tokens=20, n=2))
-        engine.scheduler.add(group[0], group[1:])
-        seqs += group
-    batch = engine.scheduler.schedule()
-    engine._postprocess(batch, engine.runner.step(batch))
-    return seqs
+        engine.add_request(i, prompt, SamplingParams(temperature=0.0, max_new_tokens=20, n=2))
+    engine.step()
 
 
 def test_release_refuses_in_flight_requests_or_aborts_them(engine, reference):
-    seqs = _start_requests(engine)
-    held = engine.pages.num_pages - engine.pages.available()
+    _start_requests(engine)
+    held = engine.stats.pages_total - engine.stats.pages_free
     assert held > 0
     with pytest.raises(RuntimeError, match="abort=True"):
         engine.release_memory_occupation()
     assert engine.released_tags == frozenset() and engine.kv.data is not None  # nothing changed
-    assert engine.pages.num_pages - engine.pages.available() == held
+    assert engine.stats.pages_total - engine.stats.pages_free == held
     engine.release_memory_occupation(abort=True, keep_weights_backup=True)
-    assert all(s.finish_reason == "abort" for s in seqs)
-    assert not engine.scheduler.has_work()
+    assert not engine.has_unfinished() and engine.stats.requests == 0
+    aborted = engine.step()  # the aborted requests are reported by the next step
+    assert len(aborted) == 2 and all(s.finish_reason == "abort" for o in aborted for s in o.outputs)
     engine.resume_memory_occupation()
-    assert engine.pages.available() == engine.pages.num_pages
+    assert engine.stats.pages_free == engine.stats.pages_total
     assert greedy(engine) == reference
 
 
@@ -198,11 +194,11 @@ class FakeSaver(MemorySaver):
 
 
 def test_enabled_saver_path(engine, reference, monkeypatch):
-    saver = engine.memory_saver = FakeSaver()
+    saver = engine.memory.saver = FakeSaver()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (saver.free, 1 << 40))
     engine.release_memory_occupation(tags=["cuda_graph", "weights", "kv_cache"], keep_weights_backup=True)
     assert saver.calls == [("pause", "weights"), ("pause", "kv_cache"), ("pause", "cuda_graph")]
-    assert engine._memory.paused_bytes == saver.sizes
+    assert engine.memory.paused_bytes == saver.sizes
     assert engine.kv.data is not None  # paused in place: the tensor (and its address) stays
     saver.calls.clear()
     engine.resume_memory_occupation(tags=["cuda_graph"])

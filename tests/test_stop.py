@@ -33,14 +33,15 @@ def test_stop_token_ids_end_the_sample(engine, free_run):
 
 
 def test_eos_unless_ignored(engine, free_run):
-    engine.eos_ids = frozenset({free_run.token_ids[3]})
+    stops = engine.scheduler.stops  # what the checkpoint's config would set as its EOS ids
+    stops.eos_ids = frozenset({free_run.token_ids[3]})
     try:
         params = SamplingParams(temperature=0, max_new_tokens=24)
         out = engine.generate(input_ids=[[5, 6, 7]], sampling_params=params)[0].outputs[0]
         first = free_run.token_ids.index(free_run.token_ids[3])
         assert out.token_ids == free_run.token_ids[: first + 1] and out.finish_reason == "stop"
     finally:
-        engine.eos_ids = frozenset(engine.model_config.eos_token_ids)
+        stops.eos_ids = frozenset(engine.model_config.eos_token_ids)
 
 
 def test_stop_string_truncates_text(engine, free_run):

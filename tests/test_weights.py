@@ -20,7 +20,6 @@ from weights_helpers import (
 
 from integrations import hf_named_parameters, sync_weights
 from rollout import Engine, SamplingParams
-from rollout.sequence import Sequence
 from rollout.toy import build_checkpoint
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack
 
@@ -251,15 +250,16 @@ def test_bad_arguments_rejected(bad_setup):
 def test_update_refused_while_requests_run(checkpoints):
     engine = make_engine(checkpoints["qwen3"])
     trainer = perturbed(checkpoints["qwen3"], seed=6)
-    seq = Sequence(0, 0, 0, [5, 6, 7], 3, SamplingParams(), 0)
-    engine.scheduler.add(seq, [])
+    engine.add_request("r", [5, 6, 7], SamplingParams())
     before = engine.get_weights_by_name("model.norm.weight")
     with pytest.raises(RuntimeError, match="in flight"):
         engine.update_weights_from_tensor(state_list(trainer))
     assert torch.equal(engine.get_weights_by_name("model.norm.weight"), before)
-    assert engine.scheduler.has_work()
+    assert engine.has_unfinished()
     engine.update_weights_from_tensor(state_list(trainer), abort=True)
-    assert seq.finish_reason == "abort" and not engine.scheduler.has_work()
+    assert not engine.has_unfinished()
+    (aborted,) = engine.step()
+    assert aborted.request_id == "r" and aborted.outputs[0].finish_reason == "abort"
     assert engine.weight_version == 1
     assert_runs_model(engine, trainer)
 

@@ -62,3 +62,11 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: Any
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq, D]."""
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one step besides its input: the attention backend and its metadata."""
+
+    backend: AttentionBackend
+    meta: Any

@@ -5,14 +5,13 @@ Shapes: T = new tokens in the step (all requests concatenated), H* = heads on th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.attention.base import AttentionBackend
+from rollout.attention.base import ForwardContext
 from rollout.distributed import SINGLE, TPGroup
 from rollout.layers import fused
 from rollout.layers.embedding import LMHead, VocabEmbedding
@@ -32,14 +31,6 @@ FUSED = {
 }
 # checkpoint entries that carry no weights of ours (old checkpoints saved rotary buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass
-class ForwardContext:
-    """What every layer needs for one step besides its input: the attention backend and its metadata."""
-
-    backend: AttentionBackend
-    meta: Any
 
 
 class Attention(nn.Module):

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollout.attention.base import AttentionBackend, AttnBatch
-from rollout.models.llama import ForwardContext
-from rollout.runner.model_runner import HostBatch, StepInputs
+from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.runner.batch import HostBatch, StepInputs
 from rollout.runner.sampler import SamplingBatch
 
 log = logging.getLogger("rollout")

@@ -8,55 +8,21 @@ static buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rollout.attention.base import AttentionBackend, AttnBatch
-from rollout.models.llama import ForwardContext
+from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.runner.batch import HostBatch, StepInputs, StepOutput
+from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
-from rollout.runner.transfer import to_device
-from rollout.scheduler import ScheduledBatch
 from rollout.sequence import uniforms
+from rollout.transfer import to_device
 
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
-    attn: AttnBatch
-    logit_rows: torch.Tensor | slice  # rows of the hidden states whose next token is sampled
-    sampling: SamplingBatch | None
-    graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
-
-
-@dataclass
-class HostBatch:
-    """One step's integers on the host (numpy), before they go to the device."""
-
-    decode: bool
-    ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slots: np.ndarray  # int64 [T]
-    seq_lens: np.ndarray  # int64 [B]
-    q_lens: list[int]
-    page_table: np.ndarray  # int32 [B, max_pages]
-    sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.q_lens)
-
-
-@dataclass
-class StepOutput:
-    """Host-side results of one step for the sequences that sampled (in batch order)."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[dict[int, float]] | None
+if TYPE_CHECKING:
+    from rollout.scheduler import ScheduledBatch
 
 
 class ModelRunner:
@@ -72,8 +38,27 @@ class ModelRunner:
     ):
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.page_size = backend.kv.page_size
+        self.max_model_len = max_model_len
         self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
-        self.graphs = None  # a GraphRunner (graphs.py) once decode graphs are captured
+        self.graphs: GraphRunner | None = None  # decode graphs, once captured
+        self.graph_steps = self.eager_steps = 0
+
+    def capture_graphs(
+        self, max_bs: int, hidden_size: int, dtype: torch.dtype, capture: CaptureContext
+    ) -> None:
+        """Capture decode graphs for batch sizes up to `max_bs`; from then on `step` replays one whenever
+        a decode batch fits."""
+        self.graphs = GraphRunner(
+            self.model,
+            self.backend,
+            max_bs=max_bs,
+            max_pages=-(-self.max_model_len // self.page_size),
+            hidden_size=hidden_size,
+            dtype=dtype,
+            device=self.device,
+            capture_context=capture,
+        )
+        self.graphs.capture()
 
     # -- host side --------------------------------------------------------------------------------
     def host_batch(self, batch: ScheduledBatch) -> HostBatch:
@@ -107,9 +92,9 @@ class ModelRunner:
         )
         if host.decode and self.graphs is not None and self.graphs.fits(host.batch_size):
             return self.graphs.load(host, sampling)
-        return self._device_inputs(host, sampling)
+        return self.eager_inputs(host, sampling)
 
-    def _device_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
+    def eager_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
         B = host.batch_size
         cu = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(host.q_lens, out=cu[1:])
@@ -145,8 +130,10 @@ class ModelRunner:
     def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that sample."""
         if inputs.graph_bs is not None:
+            self.graph_steps += 1
             hidden = self.graphs.replay(inputs)
         else:
+            self.eager_steps += 1
             ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         return self.model.logits(hidden[inputs.logit_rows])

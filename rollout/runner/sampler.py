@@ -13,8 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rollout.runner.transfer import to_device
 from rollout.sampling import SamplingParams
+from rollout.transfer import to_device
 
 
 @dataclass

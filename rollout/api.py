@@ -1,0 +1,38 @@
+"""The engine's public surface, named once.
+
+`EngineProcess` generates its forwarding methods from these lists (and a test checks that they match
+`Engine`'s signatures); the fronts and the Ray actor take them from here too. A public method added
+to `Engine` goes here, or the parity test fails.
+"""
+
+ENGINE_METHODS = (
+    # requests
+    "add_request",
+    "step",
+    "abort_request",
+    "has_unfinished",
+    "generate",
+    # memory
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    # weights
+    "update_weights_from_tensor",
+    "init_weights_update_group",
+    "update_weights_from_distributed",
+    "destroy_weights_update_group",
+    "update_weights_from_disk",
+    "get_weights_by_name",
+    "flush_cache",
+    # lifetime
+    "shutdown",
+)
+
+# read-only facts, each a property of Engine
+ENGINE_PROPERTIES = (
+    "weight_version",
+    "released_tags",
+    "pool_tokens",
+    "max_model_len",
+    "stats",
+    "last_stats",
+)

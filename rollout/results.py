@@ -1,0 +1,65 @@
+"""Requests to RequestOutputs: whole outputs when a request finishes, deltas for streamed requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.detok import IncrementalText
+from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.sequence import Request, Sequence
+
+
+def request_output(req: Request, tokenizer: Any) -> RequestOutput:
+    """The output `step` reports for a request that gained tokens: a delta when streamed, else whole."""
+    make = _delta if req.stream else _whole
+    return RequestOutput(
+        prompt_token_ids=list(req.prompt_ids),
+        outputs=[make(seq, tokenizer) for seq in req.seqs],
+        prompt=req.prompt,
+        request_id=req.request_id,
+        finished=req.finished,
+    )
+
+
+def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
+    p = seq.params
+    return CompletionOutput(
+        index=seq.sample,
+        token_ids=seq.output_ids,
+        text=_final_text(seq, tokenizer),
+        logprobs=list(seq.logprobs) if p.logprobs else None,
+        top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
+
+
+def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
+    p, start = seq.params, seq.num_emitted
+    end = seq.num_output
+    text = ""
+    if tokenizer is not None:
+        if seq.detok is None:
+            seq.detok = IncrementalText(tokenizer, p.skip_special_tokens)
+        seq.detok.update(seq.output_ids)
+        shown = _final_text(seq, tokenizer) if seq.finish_reason else seq.detok.text
+        text = shown[seq.num_emitted_chars :]
+        seq.num_emitted_chars = len(shown)
+    seq.num_emitted = end
+    return CompletionOutput(
+        index=seq.sample,
+        token_ids=seq.token_ids[seq.num_prompt + start : seq.num_prompt + end],
+        text=text,
+        logprobs=seq.logprobs[start:end] if p.logprobs else None,
+        top_logprobs=seq.top_logprobs[start:end] if p.top_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
+
+
+def _final_text(seq: Sequence, tokenizer: Any) -> str:
+    if isinstance(seq.stop_reason, str):  # a stop string already cut the text
+        return seq.text
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)

@@ -1,0 +1,48 @@
+"""The types a step hands between the scheduler, the runner and its CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout.attention.base import AttnBatch
+from rollout.runner.sampler import SamplingBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn: AttnBatch
+    logit_rows: torch.Tensor | slice  # rows of the hidden states whose next token is sampled
+    sampling: SamplingBatch | None
+    graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
+
+
+@dataclass
+class HostBatch:
+    """One step's integers on the host (numpy), before they go to the device."""
+
+    decode: bool
+    ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [T]
+    seq_lens: np.ndarray  # int64 [B]
+    q_lens: list[int]
+    page_table: np.ndarray  # int32 [B, max_pages]
+    sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.q_lens)
+
+
+@dataclass
+class StepOutput:
+    """Host-side results of one step for the sequences that sampled (in batch order)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[dict[int, float]] | None

@@ -1,0 +1,193 @@
+"""The engine's weights by Hugging Face name: take them from tensors, a flattened bucket, a broadcast
+group or a checkpoint folder; read them back; know whether they are all valid.
+
+Every load is all-or-nothing: the whole set is validated (names, shapes, dtypes) before the first byte
+is written, and copies go into the existing parameter storage (CUDA graphs and memory-saver regions
+stay valid). Transports hand full HF tensors to `WeightTarget.load`, which slices for tensor
+parallelism. The engine decides when a load may run (nothing in flight, memory resident).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.distributed import TPGroup
+from rollout.models.config import ModelConfig
+from rollout.weights import broadcast
+from rollout.weights.bucket import as_bucket, unpack
+from rollout.weights.loader import WeightTarget, load_checkpoint, load_tensors
+
+log = logging.getLogger("rollout")
+
+LOAD_FORMATS = (None, "flattened_bucket")
+Named = list[tuple[str, torch.Tensor]]
+
+
+class WeightManager:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, device: torch.device, tp: TPGroup):
+        self.model, self.model_config, self.device, self.tp = model, model_config, device, tp
+        self.version = 0  # bumped by every successful load
+        self._missing: set[str] = set()  # HF names not loaded since the weights were discarded
+        self._groups: dict[str, broadcast.UpdateGroup] = {}
+
+    # -- validity ---------------------------------------------------------------------------------
+    def discard(self) -> None:
+        """The weights' contents are gone (released without a backup): every name must be loaded again."""
+        self._missing = set(self.model.hf_names())
+
+    def check_valid(self, action: str) -> None:
+        if self._missing:
+            total = len(self.model.hf_names())
+            raise RuntimeError(
+                f"{action}: the weights were discarded by release_memory_occupation() and "
+                f"{len(self._missing)} of {total} have not been loaded since "
+                f"(e.g. {sorted(self._missing)[:3]}); push new weights with update_weights_*, "
+                "or release with keep_weights_backup=True"
+            )
+
+    def _loaded(self, names: Iterable[str] | None) -> None:
+        self.version += 1
+        if not self._missing:
+            return
+        if names is None:
+            self._missing.clear()
+        else:
+            self._missing.difference_update(names)
+        if not self._missing:
+            log.info("all weights loaded since they were discarded: the engine can generate again")
+
+    # -- what arrives -----------------------------------------------------------------------------
+    def unpack(self, named_tensors: Any, load_format: str | None) -> Named:
+        """(HF name, tensor) pairs from a list/dict, or from a FlattenedBucket (or SGLang's dict)."""
+        _check_format(load_format)
+        if load_format == "flattened_bucket":
+            named = unpack(as_bucket(named_tensors))
+        else:
+            named = _as_named_list(named_tensors)
+        if not named:
+            raise ValueError("the update holds no tensors")
+        return named
+
+    def receive(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Any],
+        group_name: str,
+        load_format: str | None,
+    ) -> Named:
+        """Tensors broadcast by rank 0 of `group_name` (one per name, in order, or one flattened buffer).
+        They land in temporary buffers (the sender never waits on a refusal); a malformed spec cannot be
+        received at all and is refused at once (the sender's broadcast then times out)."""
+        _check_format(load_format)
+        group = self._group(group_name)
+        names, dtypes, shapes = list(names), list(dtypes), list(shapes)
+        if load_format == "flattened_bucket":
+            named = unpack(broadcast.receive_bucket(group, names, dtypes, shapes))
+        else:
+            named = broadcast.receive_tensors(group, names, dtypes, shapes)
+        if not named:
+            raise ValueError("the update holds no tensors")
+        return named
+
+    # -- loads ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, named: Named) -> int:
+        count = load_tensors(self.model, named)
+        self._loaded(name for name, _ in named)
+        return count
+
+    @torch.no_grad()
+    def load_disk(self, model_path: str | Path) -> int:
+        """Every weight of a HF checkpoint folder with the same architecture and shapes."""
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path: {str(model_path)!r} is not a folder with a config.json")
+        arch = ModelConfig.from_path(str(path)).architecture
+        if arch != self.model_config.architecture:
+            raise ValueError(f"model_path holds a {arch}, the engine runs a {self.model_config.architecture}")
+        count = load_checkpoint(self.model, path)  # validates every header before the first write
+        self._loaded(None)
+        return count
+
+    # -- broadcast groups -------------------------------------------------------------------------
+    def join_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout: float,
+    ) -> None:
+        if group_name in self._groups:
+            raise ValueError(f"a weights update group named {group_name!r} exists already")
+        if not isinstance(rank_offset, int) or rank_offset < 1:
+            raise ValueError(f"rank_offset must be an int >= 1 (rank 0 is the trainer), got {rank_offset!r}")
+        self._groups[group_name] = broadcast.join_group(
+            master_address,
+            master_port,
+            rank_offset + self.tp.rank,
+            world_size,
+            group_name,
+            backend,
+            device=self.device,
+            timeout=timeout,
+        )
+
+    def leave_group(self, group_name: str) -> None:
+        broadcast.leave_group(self._group(group_name))
+        del self._groups[group_name]
+
+    def _group(self, group_name: str) -> broadcast.UpdateGroup:
+        group = self._groups.get(group_name)
+        if group is None:
+            known = sorted(self._groups) or "none"
+            raise ValueError(
+                f"no weights update group named {group_name!r} (known: {known}); "
+                "call init_weights_update_group first"
+            )
+        return group
+
+    # -- reads ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def read(self, name: str, truncate_size: int | None) -> torch.Tensor:
+        """A CPU copy of the weight as Hugging Face shapes it (fused q/k/v and gate/up split back out,
+        tied embeddings answered for lm_head); `truncate_size` keeps the first rows only."""
+        if truncate_size is not None and (not isinstance(truncate_size, int) or truncate_size < 0):
+            raise ValueError(f"truncate_size must be a non-negative int or None, got {truncate_size!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"weight name must be a str, got {type(name).__name__}")
+        found = self.model.resolve(name)
+        if found is None:
+            raise ValueError(f"{name!r} is not a weight of this model")
+        t = WeightTarget(name, *found).read()
+        if truncate_size is not None:
+            t = t[:truncate_size]
+        return t.detach().to("cpu", copy=True)
+
+
+def _check_format(load_format: str | None) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+
+
+def _as_named_list(named_tensors: Any) -> Named:
+    if isinstance(named_tensors, dict):
+        named_tensors = list(named_tensors.items())
+    if not isinstance(named_tensors, (list, tuple)):
+        raise TypeError(
+            f"named_tensors must be a list of (name, tensor) pairs, got {type(named_tensors).__name__}"
+        )
+    out = []
+    for i, item in enumerate(named_tensors):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise TypeError(f"named_tensors[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
+        out.append((item[0], item[1]))
+    return out
