@@ -14,7 +14,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
-from rollout.memory import MemoryManager, check_tags, make_memory_saver
+from rollout.memory import TAGS, MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput
@@ -140,10 +139,6 @@ class Engine:
         self._totals = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
         self._last_stats: dict[str, float] = {}
-        # frees the engine's device memory in order before the interpreter tears torch down
-        self._finalizer = weakref.finalize(
-            self, _release_device_memory, saver, self.model, self.kv, self.runner
-        )
         log.info(
             "loaded %s (%s, %s) on %s in %.1fs: KV pool %d tokens (%.2f GB), attention=%s",
             Path(cfg.model).name,
@@ -502,37 +497,21 @@ class Engine:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Abort what is in flight and free the engine's device memory; later calls raise. Safe to call
-        twice; also runs when the engine is collected or the interpreter exits."""
+        """Abort what is in flight and give the device memory back (weights, KV cache, graphs); later
+        calls raise. Safe to call twice. A process may also simply exit: it exits 0 either way."""
         with self._lock:
             if self._closed:
                 return
             self.scheduler.abort_all()
+            self.pages.reset()
+            self.memory.release(list(TAGS), keep_weights_backup=False)
             self._closed = True
-        self._finalizer()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
-
-
-def _release_device_memory(saver: Any, model: torch.nn.Module, kv: KVPool, runner: ModelRunner) -> None:
-    """Drop the engine's tensors while torch and torch_memory_saver still run: memory-saver regions
-    are resumed first (a paused region cannot be freed) and freed inside their own tag."""
-    if not saver.enabled:
-        return
-    for tag in ("cuda_graph", "kv_cache", "weights"):
-        saver.resume_if_paused(tag)
-    torch.cuda.synchronize(saver.device)
-    runner.graphs = None
-    with saver.region("kv_cache"):
-        kv.free()
-    with saver.region("weights"):
-        for p in itertools.chain(model.parameters(), model.buffers()):
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        torch.cuda.empty_cache()
 
 
 def _load_tokenizer(path: str) -> Any:

@@ -10,6 +10,7 @@ See docs/memory.md for the staged wake and the interplay with `expandable_segmen
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -114,6 +115,22 @@ class CudaMemorySaver(MemorySaver):
             )
         with self.region("weights"):  # start torch_memory_saver now, under the same precautions
             pass
+        atexit.register(self._before_teardown)
+
+    def _before_teardown(self) -> None:
+        # torch frees the memory-saver pools' blocks while the interpreter shuts down, outside any
+        # region, and torch_memory_saver ends the process with status 1 on a free outside a region.
+        # From here on this (main) thread counts as inside one, so those frees go through.
+        impl = getattr(self._tms, "_impl", None)
+        cdll = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
+        if cdll is None or not hasattr(cdll, "tms_set_interesting_region"):
+            log.warning("torch_memory_saver has no tms_set_interesting_region: the exit status may be 1")
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            pass  # the device is gone already; nothing to wait for
+        cdll.tms_set_interesting_region(True)
 
     @contextmanager
     def _allocating(self) -> Iterator[None]:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU round: every gpu-marked test, then the decode-step and weight-sync benchmarks of this tree
+# and of a baseline tree (default .baseline/, e.g. `git archive <commit> rollout scripts | tar -x -C
+# .baseline`) in the same run. Logs under $OUT (default gpu_logs/); exits non-zero if a stage failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_logs}
+BASE=${BASE:-$PWD/.baseline}
+mkdir -p "$OUT"
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flashinfer}
+export ROLLOUT_BENCH_CACHE=${ROLLOUT_BENCH_CACHE:-$PWD/.cache/bench}
+export PYTHONUNBUFFERED=1
+status=0
+run() {  # run NAME DIR CMD...: CMD in DIR with DIR on PYTHONPATH, output to $OUT/NAME.log
+  local name=$1 dir=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name ($dir): $*" | tee -a "$OUT/summary.txt"
+  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} "$@") >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "   exit $rc after $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  tail -n ${TAIL:-15} "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+stages=${STAGES:-tests bench}
+if [[ $stages == *tests* ]]; then
+  run gpu_tests "$PWD" python3 -m pytest -q -m gpu -x --durations=15 ${TESTS:-tests}
+fi
+if [[ $stages == *bench* ]]; then
+  for tree in "$PWD" "$BASE"; do
+    tag=$([[ $tree == "$PWD" ]] && echo head || echo base)
+    run "decode_$tag" "$tree" python3 scripts/bench_decode.py --model qwen2.5-0.5b --batch-sizes 1 64 256 \
+      --reps 30 --json "$OUT/decode_$tag.json"
+    run "sync_$tag" "$tree" python3 scripts/bench_weight_sync.py --models qwen2.5-0.5b --buckets-mb 128 \
+      --no-nccl
+  done
+fi
+exit $status
