@@ -3,8 +3,12 @@ and by a gloo broadcast group; errors re-raised in the parent; clean shutdown.""
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -23,7 +27,7 @@ from weights_helpers import (
 
 from integrations import BroadcastSender, sync_weights
 from rollout import Engine
-from rollout.process import EngineProcess, RemoteTraceback
+from rollout.process import KILL_GRACE_S, EngineProcess, RemoteTraceback
 from rollout.weights.bucket import empty_buffer, pack
 
 OPTIONS = dict(max_total_tokens=1024, **CPU)
@@ -167,3 +171,57 @@ def test_nccl_broadcast_between_two_gpus(checkpoints):
             assert stats.transport == "broadcast" and stats.buckets > 1
             assert_weights_equal(p, trainer)
             assert outputs(p) == outputs(local)
+
+
+# -- faults ------------------------------------------------------------------------------------------
+class _FailsToUnpickle:
+    """Pickles fine here; rebuilding it in the child raises (as a class the child cannot import would)."""
+
+    def __reduce__(self):
+        return operator.truediv, (1, 0)
+
+
+def test_arguments_that_fail_to_unpickle_fail_that_call_only(proc):
+    version = proc.weight_version
+    with pytest.raises(ZeroDivisionError):
+        proc.get_weights_by_name(_FailsToUnpickle())
+    assert proc.alive and proc.weight_version == version  # the child still serves
+    assert proc.get_weights_by_name("model.norm.weight").shape == (64,)
+
+
+def test_close_escalates_on_an_unresponsive_child(checkpoints):
+    p = EngineProcess(checkpoints["qwen2"], **OPTIONS)
+    os.kill(p.pid, signal.SIGSTOP)  # alive but answering nothing
+    t0 = time.monotonic()
+    p.close(timeout=1.0)
+    elapsed = time.monotonic() - t0
+    assert not p.alive and p.exitcode is not None  # reaped (killed)
+    assert elapsed < 1.0 + 2 * KILL_GRACE_S + 1.0
+
+
+FD_SCRIPT = """
+import os, resource, sys, torch
+from rollout import EngineProcess
+from rollout.weights.loader import iter_checkpoint, safetensors_files
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+named = [(n, t.clone()) for n, t in iter_checkpoint(safetensors_files(sys.argv[1]))]
+assert len(named) > 128, len(named)
+with EngineProcess(sys.argv[1], device="cpu", max_total_tokens=256) as p:
+    assert p.update_weights_from_tensor(named) == len(named)  # starts multiprocessing's fd sharer
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert p.update_weights_from_tensor(named) == len(named)
+    after = len(os.listdir("/proc/self/fd"))
+print("fds", before, after)
+assert after <= before, (before, after)
+"""
+
+
+def test_long_tensor_lists_cross_at_a_low_fd_limit(tmp_path):
+    from rollout.toy import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "deep", num_hidden_layers=16, tokenizer=False)  # ~180 tensors
+    proc = subprocess.run(
+        [sys.executable, "-c", FD_SCRIPT, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
