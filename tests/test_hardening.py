@@ -6,13 +6,20 @@ usable. GPU tests (marker `gpu`) cover the GPU-only paths."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import PROMPTS
-from weights_helpers import CPU
+from safetensors.torch import load_file, save_file
+from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturbed, snapshot, state_list
 
 from rollout import Engine, SamplingParams
+from rollout.weights import loader
+from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack, parse_dtype
 
 NAN, INF = float("nan"), float("inf")
 
@@ -20,6 +27,26 @@ NAN, INF = float("nan"), float("inf")
 @pytest.fixture(scope="module")
 def engine(qwen3_dir):
     return Engine(qwen3_dir, max_total_tokens=1024, **CPU)
+
+
+@pytest.fixture(scope="module")
+def trainer(qwen3_dir):
+    return perturbed(qwen3_dir, seed=12)
+
+
+@pytest.fixture
+def intact(engine, qwen3_dir):
+    """Asserts, after the test body, that the engine's weights and outputs are what they were."""
+    engine.update_weights_from_disk(qwen3_dir)  # a known state whatever ran before
+    version = engine.weight_version
+    before, before_out = snapshot(engine, load_hf(qwen3_dir)), outputs(engine)
+    yield
+    assert engine.weight_version == version, "a refused update must not count as one"
+    assert_same_snapshot(engine, before)
+    tokens, logprobs = outputs(engine)  # a cached prefix may round differently: logprobs to 1e-5
+    assert tokens == before_out[0]
+    assert max(abs(a - b) for x, y in zip(logprobs, before_out[1]) for a, b in zip(x, y)) < 1e-5
+    assert not engine.scheduler.has_work()
 
 
 # -- 1. stale KV pages and non-finite weights --------------------------------------------------------
@@ -76,3 +103,207 @@ def test_stale_nan_in_the_kv_pool_never_reaches_outputs_gpu(tmp_path, backend, g
     engine.kv.data.fill_(NAN)
     assert completions(engine, prompts) == clean
     assert not any(math.isnan(lp) for c in clean for lp in c[1])
+
+
+def test_good_weights_after_nonfinite_ones_give_clean_outputs(engine, qwen3_dir):
+    """The reported sequence: non-finite weights loaded (here through the opt-out), generate, then the
+    good weights back: the next 16 completions equal those of a fresh engine."""
+    good = state_list(load_hf(qwen3_dir))
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 3] for i in range(16)]
+    fresh = completions(Engine(qwen3_dir, max_total_tokens=1024, **CPU), prompts)
+    bad = [(n, torch.full_like(t, NAN)) for n, t in good if "layers.1." in n]
+    loader.load_tensors(engine.model, bad, check_finite=False)
+    engine.flush_cache()
+    completions(engine, prompts)  # writes NaN keys and values all over the pool
+    engine.update_weights_from_tensor(good)
+    assert completions(engine, prompts) == fresh
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["list", "bucket"])
+def test_nonfinite_update_is_refused_naming_the_tensor(engine, trainer, intact, value, dtype, how):
+    named = state_list(trainer, dtype)
+    bad, t = named[5][0], named[5][1].clone()  # a copy: the trainer model stays as it is
+    t.view(-1)[7] = value
+    named[5] = (bad, t)
+    with pytest.raises(ValueError, match=rf"NaN or inf.*{bad}|{bad}.*NaN or inf"):
+        if how == "list":
+            engine.update_weights_from_tensor(named)
+        else:
+            engine.update_weights_from_tensor(pack(named), load_format="flattened_bucket")
+
+
+def test_nonfinite_checkpoint_is_refused(engine, qwen3_dir, tmp_path, intact):
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.norm.weight"][3] = INF
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.norm.weight.*NaN or inf|NaN or inf.*model.norm.weight"):
+        engine.update_weights_from_disk(bad)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        Engine(str(bad), max_total_tokens=256, **CPU)
+
+
+def test_check_finite_false_loads_nonfinite_weights(qwen3_dir):
+    engine = Engine(qwen3_dir, max_total_tokens=256, **CPU)
+    nan = torch.full((64,), NAN)
+    assert loader.load_tensors(engine.model, [("model.norm.weight", nan)], check_finite=False) == 1
+    assert engine.get_weights_by_name("model.norm.weight").isnan().all()
+
+
+def test_refuse_nonfinite_sees_every_float_dtype_without_false_alarms():
+    dtypes = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+    fine = [(f"ok.{d}", torch.linspace(-400, 400, 33).to(d)) for d in dtypes]
+    fine += [("huge", torch.tensor([1e300, -1e300], dtype=torch.float64)), ("empty", torch.zeros(0))]
+    loader.refuse_nonfinite(fine)  # large finite values are no alarm
+    for d in dtypes:
+        values = [NAN] if d == torch.float8_e4m3fn else [NAN, INF, -INF]  # e4m3fn has no inf
+        for v in values:
+            t = torch.zeros(40, dtype=torch.float32)
+            t[17] = v
+            with pytest.raises(ValueError, match=f"'bad.{d}'"):
+                loader.refuse_nonfinite([*fine, (f"bad.{d}", t.to(d))])
+
+
+# -- 2. half-applied updates ---------------------------------------------------------------------
+def _uncopyable(kind: str, like: torch.Tensor):
+    if kind == "meta":
+        return like.to("meta")
+    if kind == "sparse coo":
+        return like.to_sparse()
+    if kind == "sparse csr":
+        return like.to_sparse_csr()
+    if kind == "nested":
+        return torch.nested.nested_tensor([like], layout=torch.jagged)
+    if kind == "complex":
+        return like.to(torch.complex64)
+    if kind == "float4":
+        return torch.zeros(like.shape, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    if kind == "int":
+        return like.to(torch.int64)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse coo", "sparse csr", "nested", "complex", "float4", "int"])
+def test_an_uncopyable_tensor_after_good_ones_writes_nothing(engine, trainer, intact, kind):
+    named = state_list(trainer)
+    last = max(i for i, (_, t) in enumerate(named) if t.dim() == 2)  # good tensors come before it
+    name, t = named[last]
+    named[last] = (name, _uncopyable(kind, t))
+    with pytest.raises(TypeError, match=name):
+        engine.update_weights_from_tensor(named)
+
+
+def test_bucket_metadata_takes_dtype_names(engine, trainer, qwen3_dir):
+    named = state_list(trainer)
+    b = pack(named[:4] + [(named[4][0], named[4][1].bfloat16())])
+    names = ["float32", "torch.float32", "F32", "fp32", "bf16"]
+    metas = [TensorMeta(m.name, s, list(m.shape), m.offset) for m, s in zip(b.metas, names)]
+    assert engine.update_weights_from_tensor(FlattenedBucket(b.buffer, metas), "flattened_bucket") == 5
+    for name, t in named[:4]:
+        assert torch.equal(engine.get_weights_by_name(name), t)
+    metas[2] = TensorMeta(metas[2].name, "bfloat17", metas[2].shape, metas[2].offset)
+    with pytest.raises(TypeError, match=f"dtype of {metas[2].name!r}: 'bfloat17' is not a torch dtype"):
+        engine.update_weights_from_tensor(FlattenedBucket(b.buffer, metas), "flattened_bucket")
+    engine.update_weights_from_disk(qwen3_dir)
+
+
+def test_parse_dtype_takes_torch_short_and_safetensors_names():
+    for names, dtype in [
+        (["bfloat16", "torch.bfloat16", "bf16", "BF16", torch.bfloat16], torch.bfloat16),
+        (["float16", "half", "fp16", "F16"], torch.float16),
+        (["float32", "float", "torch.float32", "fp32", "F32"], torch.float32),
+        (["F8_E4M3", "float8_e4m3fn"], torch.float8_e4m3fn),
+    ]:
+        assert all(parse_dtype(n) is dtype for n in names), names
+    for bad in ["bfloat17", "Tensor", "", 16, None, float]:
+        with pytest.raises(TypeError, match="not a torch dtype"):
+            parse_dtype(bad)
+
+
+@pytest.mark.parametrize("buffer", ["meta", "sparse"])
+def test_bucket_with_a_buffer_holding_no_bytes_is_refused(engine, trainer, intact, buffer):
+    b = pack(state_list(trainer)[:3])
+    buf = b.buffer.to("meta") if buffer == "meta" else b.buffer.to_sparse()
+    with pytest.raises(TypeError, match="bucket buffer must be a dense tensor"):
+        engine.update_weights_from_tensor(FlattenedBucket(buf, b.metas), "flattened_bucket")
+
+
+# -- 4. checkpoint errors -------------------------------------------------------------------------
+def _broken_file(folder: Path, how: str) -> Path:
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"truncated": data[: len(data) - 100], "garbage": b"not safetensors", "empty": b""}[how])
+    return f
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty"])
+def test_corrupt_safetensors_file_is_named(engine, qwen3_dir, tmp_path, intact, how):
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_dir, bad)
+    f = _broken_file(bad, how)
+    with pytest.raises(ValueError, match=f"checkpoint file '{f}' is not a readable safetensors file"):
+        Engine(str(bad), max_total_tokens=256, **CPU)
+    with pytest.raises(ValueError, match=f"checkpoint file '{f}'"):
+        engine.update_weights_from_disk(bad)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    from rollout.toy import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("sharded") / "q", "qwen3", seed=4, max_shard_size="60KB")
+
+
+def _with_index(sharded: Path, tmp_path: Path, edit) -> Path:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(sharded, folder)
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    index.write_text(edit(data) if callable(edit) else edit)
+    return folder
+
+
+def test_a_sharded_checkpoint_loads_and_may_hold_symlinks(sharded, tmp_path):
+    folder = _with_index(sharded, tmp_path, json.dumps)
+    assert len(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]) > 3
+    blobs = tmp_path / "blobs"  # a Hugging Face cache: snapshot files are symlinks to blobs elsewhere
+    blobs.mkdir()
+    for f in folder.glob("*.safetensors"):
+        f.rename(blobs / f.name)
+        f.symlink_to(blobs / f.name)
+    assert Engine(str(folder), max_total_tokens=256, **CPU).generate(input_ids=[[5]])[0].outputs
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("{not json", "is not readable JSON"),
+        ('{"metadata": {}}', "'weight_map' is missing"),
+        ('{"weight_map": []}', "'weight_map' is missing"),
+        ('["weight_map"]', "'weight_map' is missing"),
+    ],
+)
+def test_bad_index_names_the_file_and_field(sharded, tmp_path, edit, match):
+    folder = _with_index(sharded, tmp_path, edit)
+    index = folder / "model.safetensors.index.json"
+    with pytest.raises(ValueError, match=f"checkpoint index '{index}'.*{match}|{match}"):
+        Engine(str(folder), max_total_tokens=256, **CPU)
+
+
+@pytest.mark.parametrize("where", ["../outside/{}", "{abs}", "sub/../../outside/{}", 7])
+def test_weight_map_entries_stay_inside_the_folder(sharded, tmp_path, where):
+    outside = tmp_path / "outside"  # a real checkpoint there: following the entry would load it
+    shutil.copytree(sharded, outside)
+
+    def edit(data):
+        name, file = next(iter(data["weight_map"].items()))
+        target = where if isinstance(where, int) else where.format(file, abs=outside / file)
+        data["weight_map"][name] = target
+        return json.dumps(data)
+
+    folder = _with_index(sharded, tmp_path, edit)
+    with pytest.raises(ValueError, match="'weight_map' entry .* is not a file name inside the checkpoint"):
+        Engine(str(folder), max_total_tokens=256, **CPU)
