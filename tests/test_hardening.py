@@ -17,7 +17,7 @@ from helpers import PROMPTS
 from safetensors.torch import load_file, save_file
 from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturbed, snapshot, state_list
 
-from rollout import Engine, SamplingParams
+from rollout import Engine, SamplingParams, requests
 from rollout.weights import loader
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack, parse_dtype
 
@@ -229,6 +229,54 @@ def test_bucket_with_a_buffer_holding_no_bytes_is_refused(engine, trainer, intac
     buf = b.buffer.to("meta") if buffer == "meta" else b.buffer.to_sparse()
     with pytest.raises(TypeError, match="bucket buffer must be a dense tensor"):
         engine.update_weights_from_tensor(FlattenedBucket(buf, b.metas), "flattened_bucket")
+
+
+# -- 3. SamplingParams ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(temperature=NAN), ValueError, "temperature must be a finite number"),
+        (dict(temperature=INF), ValueError, "temperature must be a finite number"),
+        (dict(temperature=1e-40), ValueError, "temperature must be 0"),
+        (dict(top_p=NAN), ValueError, "top_p"),
+        (dict(top_p=INF), ValueError, "top_p"),
+        (dict(min_p=NAN), ValueError, "min_p"),
+        (dict(min_p=-INF), ValueError, "min_p"),
+        (dict(stop=5), TypeError, "stop must be"),
+        (dict(stop=b"x"), TypeError, "stop must be"),
+        (dict(stop_token_ids=5), TypeError, "stop_token_ids must be a list"),
+        (dict(stop_token_ids="12"), TypeError, "stop_token_ids must be a list"),
+        (dict(stop_token_ids=[2.0]), TypeError, "stop_token_ids must be an int"),
+        (dict(logprobs="no"), TypeError, "logprobs must be a bool"),
+        (dict(logprobs=1), TypeError, "logprobs must be a bool"),
+        (dict(ignore_eos="false"), TypeError, "ignore_eos must be a bool"),
+        (dict(skip_special_tokens=None), TypeError, "skip_special_tokens must be a bool"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_check_params_against_the_vocabulary():
+    ok = [SamplingParams(stop_token_ids=[0, 80], top_logprobs=81)]
+    requests.check_params(ok, 81)
+    with pytest.raises(ValueError, match=r"sampling_params\[1\].stop_token_ids holds 81"):
+        requests.check_params([*ok, SamplingParams(stop_token_ids=[3, 81])], 81)
+    with pytest.raises(ValueError, match=r"sampling_params\[0\].top_logprobs=82"):
+        requests.check_params([SamplingParams(top_logprobs=82)], 81)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="wiring: Engine.generate must call requests.check_params(params, vocab_size)"
+)
+@pytest.mark.parametrize("field", [dict(stop_token_ids=[10**6]), dict(top_logprobs=10**6)])
+def test_engine_refuses_params_outside_the_vocabulary(engine, field):
+    ok = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    before = engine.generate(input_ids=[[5, 6]], sampling_params=ok)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=next(iter(field))):
+        engine.generate(input_ids=[[5, 6]], sampling_params=SamplingParams(**field))
+    assert engine.generate(input_ids=[[5, 6]], sampling_params=ok)[0].outputs[0].token_ids == before
 
 
 # -- 4. checkpoint errors -------------------------------------------------------------------------
