@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturbed, snapshot, state_list
 
 from rollout import Engine, SamplingParams, requests
+from rollout.runner.sampler import SamplingBatch, sample
 from rollout.weights import loader
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack, parse_dtype
 
@@ -355,3 +356,103 @@ def test_weight_map_entries_stay_inside_the_folder(sharded, tmp_path, where):
     folder = _with_index(sharded, tmp_path, edit)
     with pytest.raises(ValueError, match="'weight_map' entry .* is not a file name inside the checkpoint"):
         Engine(str(folder), max_total_tokens=256, **CPU)
+
+
+# -- 5. seeded sampling whatever the batch -------------------------------------------------------
+V = 2100  # three inverse-CDF blocks
+
+
+def tied_row() -> torch.Tensor:
+    """Groups of exactly equal logits, straddling the top-k / top-p / min-p boundaries and blocks."""
+    row = torch.full((V,), -6.0)
+    row[[3, 900, 1500, 2050]] = 2.0  # a four-way tie for the top
+    row[[4, 1024, 1030, 2099]] = 1.0
+    row[100:140] = 0.0
+    return row
+
+
+TIED = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.5),
+    SamplingParams(temperature=1.0, top_k=6),
+    SamplingParams(temperature=1.0, top_k=2),
+    SamplingParams(temperature=1.3, min_p=0.3),
+    SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.01),
+]
+OTHERS = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_p=0.3), SamplingParams()]
+
+
+def draws(row_params: SamplingParams, us: list[float], neighbours: list[SamplingParams]) -> list[int]:
+    """The tied row's token for each u, sampled in a batch with `neighbours` (random rows) around it."""
+    gen = torch.Generator().manual_seed(len(neighbours))
+    got = []
+    for u in us:
+        params = [*neighbours[: len(neighbours) // 2], row_params, *neighbours[len(neighbours) // 2 :]]
+        logits = torch.randn(len(params), V, generator=gen) * 3
+        me = len(neighbours) // 2
+        logits[me] = tied_row()
+        uniforms = torch.rand(len(params), dtype=torch.float64, generator=gen).tolist()
+        uniforms[me] = u
+        got.append(sample(logits, SamplingBatch.build(params, uniforms, V, torch.device("cpu"))).tokens[me])
+    return [int(t) for t in got]
+
+
+@pytest.mark.parametrize("params", TIED, ids=lambda p: f"t{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_a_seeded_draw_does_not_depend_on_the_batch(params):
+    us = torch.rand(40, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).tolist()
+    alone = draws(params, us, [])
+    for neighbours in ([OTHERS[0]], OTHERS, OTHERS * 5, [SamplingParams(top_k=1)] * 3):
+        assert draws(params, us, neighbours) == alone, neighbours
+
+
+def test_ties_rank_by_the_lower_token_id():
+    us = torch.linspace(0.001, 0.999, 200, dtype=torch.float64).tolist()
+    # top_k=2 inside a four-way tie keeps its two lowest ids
+    assert set(draws(SamplingParams(top_k=2), us, OTHERS)) == {3, 900}
+    sb = SamplingBatch.build([SamplingParams(top_logprobs=8)] * 2, [0.5, 0.5], V, torch.device("cpu"))
+    res = sample(torch.stack([tied_row(), tied_row()]), sb)
+    assert res.top_ids.tolist() == [[3, 900, 1500, 2050, 4, 1024, 1030, 2099]] * 2
+
+
+def test_seeded_requests_sample_the_same_tokens_in_any_company(engine):
+    prompt = [5, 6, 7, 8]
+    seeded = [
+        SamplingParams(n=2, temperature=1.0, seed=11, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=12, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, min_p=0.05, seed=13, max_new_tokens=12, ignore_eos=True),
+    ]
+    company = [
+        SamplingParams(n=3, temperature=1.0, top_p=0.5, max_new_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, top_k=3, max_new_tokens=16, ignore_eos=True),
+    ]
+    for p in seeded:
+        alone = [c.token_ids for c in engine.generate(input_ids=[prompt], sampling_params=p)[0].outputs]
+        for other in company:
+            outs = engine.generate(input_ids=[[9, 10], prompt, [11] * 7], sampling_params=[other, p, other])
+            assert [c.token_ids for c in outs[1].outputs] == alone, (p, other)
+
+
+def test_top_k_beyond_any_vocabulary_is_off(engine):
+    p = dict(temperature=1.0, seed=5, max_new_tokens=6, ignore_eos=True)
+    huge = engine.generate(input_ids=[[5, 6]], sampling_params=SamplingParams(top_k=10**30, **p))
+    off = engine.generate(input_ids=[[5, 6]], sampling_params=SamplingParams(**p))
+    assert huge[0].outputs[0].token_ids == off[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+def test_a_seeded_draw_does_not_depend_on_the_batch_gpu():
+    """On the GPU the reduction and sort kernels change with the batch's shape."""
+    cuda = torch.device("cuda")
+    row = tied_row().to(cuda)
+    us = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for params in TIED:
+        results = []
+        for rows in (1, 7, 64, 300):
+            logits = torch.randn(rows * 64, V, device=cuda) * 3
+            logits[::rows] = row
+            uniforms = torch.rand(rows * 64, dtype=torch.float64)
+            uniforms[::rows] = us
+            sb = SamplingBatch.build([params] * (rows * 64), uniforms.tolist(), V, cuda)
+            results.append(sample(logits, sb).tokens[::rows].tolist())
+        assert all(r == results[0] for r in results), params
