@@ -8,11 +8,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from dist_cluster import Cluster
 from helpers import PROMPTS
 from safetensors.torch import load_file, save_file
 from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturbed, snapshot, state_list
@@ -20,6 +23,7 @@ from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturb
 from rollout import Engine, SamplingParams, requests
 from rollout.runner.sampler import SamplingBatch, sample
 from rollout.weights import loader
+from rollout.weights.broadcast import free_port
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack, parse_dtype
 
 NAN, INF = float("nan"), float("inf")
@@ -456,3 +460,79 @@ def test_a_seeded_draw_does_not_depend_on_the_batch_gpu():
             sb = SamplingBatch.build([params] * (rows * 64), uniforms.tolist(), V, cuda)
             results.append(sample(logits, sb).tokens[::rows].tolist())
         assert all(r == results[0] for r in results), params
+
+
+# -- 6. the weight-update rendezvous -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(2, tmp_path_factory.mktemp("rendezvous"))
+    yield c
+    c.close()
+
+
+def listening(port: int) -> list[str]:
+    """Local addresses of the sockets listening on `port` (hex, as /proc/net shows them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+def join(port: int, secrets: list, timeout: float, env_secret: str | None = None):
+    """Rank r joins a group of two with secrets[r]; returns what happened, how long it took and, on
+    rank 0, which addresses listened on the port while the group stood."""
+    import torch.distributed as dist
+
+    from rollout.weights.broadcast import SECRET_ENV, broadcast, join_group, leave_group
+
+    rank = dist.get_rank()
+    if env_secret is not None:
+        os.environ[SECRET_ENV] = env_secret
+    t0 = time.monotonic()
+    try:
+        group = join_group(
+            "127.0.0.1", port, rank, 2, f"g{port}", "gloo", device=torch.device("cpu"),
+            timeout=timeout, secret=secrets[rank],
+        )  # fmt: skip
+    except (PermissionError, TimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0, None
+    finally:
+        os.environ.pop(SECRET_ENV, None)
+    addresses = listening(port) if rank == 0 else None
+    x = torch.full((3,), float(rank))
+    broadcast(x, group)
+    leave_group(group)
+    return "joined", x.tolist(), time.monotonic() - t0, addresses
+
+
+def test_the_host_listens_on_master_address_only(cluster):
+    host, member = cluster.values(join, free_port(), [None, None], 60.0)
+    assert host[0] == member[0] == "joined" and member[1] == [0.0] * 3
+    assert host[3] == ["0100007F"]  # 127.0.0.1 alone, not "::" (every interface)
+
+
+def test_a_shared_secret_admits_members_that_know_it(cluster):
+    outs = cluster.values(join, free_port(), ["s3cret", None], 60.0, "s3cret")  # rank 1: from the env
+    assert [o[0] for o in outs] == ["joined", "joined"] and outs[1][1] == [0.0] * 3
+
+
+@pytest.mark.parametrize(
+    "secrets, slow",
+    [
+        (["right", "wrong"], None),
+        (["right", None], None),
+        ([None, "right"], 0),  # rank 0 learns of it when the group times out
+    ],
+    ids=["wrong", "member-has-none", "host-has-none"],
+)
+def test_a_wrong_or_missing_secret_is_refused_on_both_sides(cluster, secrets, slow):
+    timeout = 6.0
+    outs = cluster.values(join, free_port(), secrets, timeout)
+    for rank, (what, message, seconds, _) in enumerate(outs):
+        assert what == "PermissionError", (rank, what, message)
+        assert "secret" in message and f"rank {rank} of 2" in message
+        assert seconds < (timeout + 10 if rank == slow else timeout / 2), (rank, seconds)
