@@ -59,6 +59,20 @@ def normalize_params(params: Any, count: int) -> list[SamplingParams]:
     return list(params)
 
 
+def check_params(params: list[SamplingParams], vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: the fields that must fit the model's vocabulary."""
+    for i, p in enumerate(params):
+        for t in p.stop_token_ids or ():
+            if t >= vocab_size:
+                raise ValueError(
+                    f"sampling_params[{i}].stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})"
+                )
+        if p.top_logprobs > vocab_size:
+            raise ValueError(
+                f"sampling_params[{i}].top_logprobs={p.top_logprobs} exceeds the vocabulary size {vocab_size}"
+            )
+
+
 def check_lengths(
     token_lists: list[list[int]], params: list[SamplingParams], max_model_len: int, pool_tokens: int
 ) -> None:

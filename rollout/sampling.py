@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this a temperature overflows float32 logits (logit / temperature) or rounds to 0 on the device,
+# where the row would turn greedy while the host still treats it as sampled: use 0 for greedy.
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1)
         _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature):
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                f"got {self.temperature}"
+            )
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
@@ -46,14 +54,13 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, low=0)
         if self.seed is not None:
             _check_int("seed", self.seed)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if not all(isinstance(s, str) and s for s in stop):
-            raise TypeError(
-                f"SamplingParams.stop must be a non-empty string or a list of them, got {self.stop!r}"
-            )
-        for t in self.stop_token_ids or ():
-            _check_int("stop_token_ids", t, low=0)
-        object.__setattr__(self, "_stop", stop)
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        object.__setattr__(self, "_stop", _stop_strings(self.stop))
+        if self.stop_token_ids is not None:
+            _check_list("stop_token_ids", self.stop_token_ids)
+            for t in self.stop_token_ids:
+                _check_int("stop_token_ids", t, low=0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -79,3 +86,26 @@ def _check_int(name: str, value: object, low: int | None = None) -> None:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):  # NaN passes every range check below, inf overflows the sampler
+        raise ValueError(f"SamplingParams.{name} must be a finite number, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    # strictly bool: "no" or "false" is truthy, so anything else would be read the wrong way round
+    if not isinstance(value, bool):
+        raise TypeError(f"SamplingParams.{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_list(name: str, value: object) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"SamplingParams.{name} must be a list, got {type(value).__name__} {value!r}")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise TypeError(f"SamplingParams.stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stop)

@@ -119,12 +119,15 @@ def test_engine_samples_the_model_distribution(engine, hf_models):
 
 @pytest.mark.parametrize("vocab", [7, 1024, 1025, 5000])
 def test_two_level_inverse_cdf_equals_a_full_cumsum(vocab):
-    from rollout.runner.sampler import _inverse_cdf
+    from rollout.runner.sampler import FIXED_ONE, _fixed, _inverse_cdf
 
     gen = torch.Generator().manual_seed(vocab)
     probs = torch.rand(64, vocab, generator=gen) * (torch.rand(64, vocab, generator=gen) > 0.5)
     probs[:, 0] += 0.01  # every row has mass
+    weights = _fixed(probs / probs.sum(-1, keepdim=True))
+    assert (weights.sum(-1) < 2 * FIXED_ONE).all()
     u = torch.rand(64, dtype=torch.float64, generator=gen)
-    cdf = probs.double().cumsum(-1)
-    direct = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-    assert torch.equal(_inverse_cdf(probs, u), direct)
+    cdf = weights.cumsum(-1)
+    target = (u * cdf[:, -1].double()).long().unsqueeze(1)
+    direct = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    assert torch.equal(_inverse_cdf(weights, u), direct)

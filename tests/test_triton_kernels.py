@@ -148,6 +148,40 @@ def test_decode_padding_rows_are_zero():
     assert_close(out, ref, torch.float32)
 
 
+def poisoned(cache, page_table, seq_lens):
+    """`cache` with NaN in every slot no request owns: past each length, in unused pages and in the
+    pages unused page-table entries point at."""
+    page_size = cache.shape[1]
+    owned = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=cache.device)
+        owned[page_table[b, pos // page_size].long(), pos % page_size] = True
+    return cache.masked_fill(~owned[:, :, None, None], float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stale_nan_outside_the_requests_never_reaches_outputs(dtype):
+    """Masking scores is not enough (0 * NaN is NaN): slots past a length must never be loaded."""
+    seq_lens, q_lens = [1, 5, 17, 30], [1, 3, 17, 8]
+    gen = torch.Generator().manual_seed(3)
+    k, v, table = make_paged_kv(seq_lens, 4, 2, 16, dtype, gen)
+    bad_k, bad_v = poisoned(k, table, seq_lens), poisoned(v, table, seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 4, 16, generator=gen).to(dtype).to(DEVICE)
+    for splits in (1, 3, 8):
+        clean = paged_decode_attention(q, k, v, table, lens, 0.25, num_kv_splits=splits)
+        assert torch.equal(
+            paged_decode_attention(q, bad_k, bad_v, table, lens, 0.25, num_kv_splits=splits), clean
+        )
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    clean = paged_extend_attention(q, k, v, table, cu, lens, 0.25, max_q_len=max(q_lens))
+    assert torch.isfinite(clean).all()
+    assert torch.equal(
+        paged_extend_attention(q, bad_k, bad_v, table, cu, lens, 0.25, max_q_len=max(q_lens)), clean
+    )
+
+
 def test_decode_writes_into_out_and_strided_q():
     gen = torch.Generator().manual_seed(1)
     seq_lens, hq, hkv, d = [9, 25], 4, 2, 64

@@ -1,4 +1,10 @@
-"""Plain-torch attention over the paged cache: the CPU path and the reference for faster backends."""
+"""Plain-torch attention over the paged cache: the CPU path and the reference for faster backends.
+
+Gathering whole pages also gathers slots past each request's length, which hold whatever an earlier
+request (or earlier weights) left there, NaN included. A mask alone does not stop those: softmax
+weights of 0 times a stale NaN value is still NaN. So stale keys and values are replaced by zeros
+before attention, and the mask keeps positions past the length out of the softmax.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from rollout.attention.base import AttentionBackend, AttnBatch
 
 
 class TorchNativeBackend(AttentionBackend):
-    def begin(self, batch: AttnBatch) -> tuple[AttnBatch, torch.Tensor, torch.Tensor]:
+    def begin(self, batch: AttnBatch) -> tuple[AttnBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = batch.seq_lens.device
         B, S = batch.batch_size, self.kv.page_size
         max_pages = -(-batch.max_seq_len // S)
@@ -20,18 +26,19 @@ class TorchNativeBackend(AttentionBackend):
         q_pos = batch.seq_lens.unsqueeze(1) - torch.tensor(batch.q_lens, device=dev).unsqueeze(1)
         q_pos = q_pos + torch.arange(batch.max_q_len, device=dev)
         kv_pos = torch.arange(kv_slots.shape[1], device=dev)
-        mask = kv_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
-        return batch, kv_slots, mask.unsqueeze(1)
+        live = kv_pos.unsqueeze(0) < batch.seq_lens.unsqueeze(1)  # [B, K]: written by this request
+        mask = (kv_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & live.unsqueeze(1)
+        return batch, kv_slots, mask.unsqueeze(1), live.view(B, -1, 1, 1)
 
     def forward(self, q, k, v, layer, meta):
-        batch, kv_slots, mask = meta
+        batch, kv_slots, mask, live = meta
         self.kv.store(layer, batch.slot_mapping, k, v)
         k_cache, v_cache = self.kv.flat(layer)
         Q, H = batch.max_q_len, self.num_heads
         Hkv = k_cache.shape[1]
-        # gather each request's context: [B, Hkv, K, D]
-        keys = k_cache[kv_slots].transpose(1, 2)
-        vals = v_cache[kv_slots].transpose(1, 2)
+        # gather each request's context: [B, Hkv, K, D], stale slots zeroed (see the module docstring)
+        keys = torch.where(live, k_cache[kv_slots], 0).transpose(1, 2)
+        vals = torch.where(live, v_cache[kv_slots], 0).transpose(1, 2)
         if Hkv != H:
             keys = keys.repeat_interleave(H // Hkv, dim=1)
             vals = vals.repeat_interleave(H // Hkv, dim=1)

@@ -1,7 +1,12 @@
 """Sampling on the device: one batched pass, per-row parameters, logprobs before truncation.
 
 Each row draws with inverse-CDF sampling from one uniform number that the host derives from the
-request's seed and output index, so a seeded sample does not depend on the rest of the batch.
+request's seed and output index, so a seeded sample does not depend on the rest of the batch. For
+that, a row's draw is a function of its own logits and parameters alone:
+- every row draws in token order, whether or not the batch sorts (top-k / top-p only mask tokens);
+- orderings are total: stable sorts and keyed top-k, equal probabilities ranked by lower token id;
+- sums are exact: probabilities become integer weights (fixed point), so no reduction order, which
+  kernels may pick by the batch's shape, can move a cumulative sum across a token's boundary.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class SamplingBatch:
             slot = {id(p): i for i, p in enumerate(distinct)}
             which = np.fromiter((slot[id(p)] for p in params), dtype=np.int64, count=len(params))
         floats = np.array([[p.temperature, p.top_p, p.min_p] for p in distinct], dtype=np.float32)[which]
-        top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in distinct], dtype=np.int64)[which]
+        top_k = np.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in distinct], dtype=np.int64)
+        top_k = top_k[which]
         rows, ints, us = to_device([floats, top_k, np.asarray(uniforms, dtype=np.float64)], device)
         return cls(
             temperatures=rows[:, 0],
@@ -70,55 +76,82 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     greedy = sb.temperatures == 0
     scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures)
     logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1)  # torch documents the first of equal maxima: the lowest id
     if not sb.all_greedy:
         drawn = _draw(logprobs, sb)
         tokens = torch.where(greedy, tokens, drawn)
     top_ids = top_lp = None
     if sb.num_top_logprobs:
-        top_lp, top_ids = logprobs.topk(sb.num_top_logprobs, dim=-1)
+        top_lp, top_ids = _topk_lowest_id_first(logprobs, sb.num_top_logprobs)
     return SampleResult(tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top_ids, top_lp)
+
+
+# Probability 1 in fixed point. A row's probabilities sum to 1 (up to float32 rounding), so its integer
+# weights sum to about 2**52: below 2**53, exact in int64 and in float64, whatever the order of addition.
+# Tokens under 2**-52 get weight 0, below the resolution of the float64 uniform anyway.
+FIXED_ONE = 2**52
+
+
+def _fixed(probs: torch.Tensor) -> torch.Tensor:
+    return (probs * FIXED_ONE).to(torch.int64)  # scaling by a power of two is exact; the cast floors
 
 
 def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF."""
-    order = None
-    if not sb.needs_sort:
-        probs = _padded_exp(logprobs)
-    else:
-        probs, order = logprobs.exp().sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1], device=probs.device)
-        probs = probs * (rank.unsqueeze(0) < sb.top_k.unsqueeze(1))
-        csum = probs.cumsum(dim=-1)
-        # keep a token while the mass ranked above it is below top_p of the (top-k) total
-        probs = probs * ((csum - probs) < sb.top_p.unsqueeze(1) * csum[:, -1:])
+    probs = _padded_exp(logprobs)
+    weights = _fixed(probs)
+    if sb.needs_sort:
+        weights = weights * _top_k_top_p(probs, sb)
     if sb.needs_min_p:
-        top = probs[:, :1] if order is not None else probs.max(dim=-1, keepdim=True).values
-        probs = probs * (probs >= sb.min_p.unsqueeze(1) * top)
-    idx = _inverse_cdf(probs, sb.uniforms).unsqueeze(1)
-    return idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)
+        top = weights.max(dim=-1, keepdim=True).values
+        weights = weights * (weights >= sb.min_p.double().unsqueeze(1) * top)  # exact: weights < 2**53
+    return _inverse_cdf(weights, sb.uniforms)
+
+
+def _top_k_top_p(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Mask (in token order) of the tokens that survive top-k, then top-p over the rest. Decided in order
+    of probability, equal ones by lower token id: a stable sort of tokens that start in id order."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    w = _fixed(sorted_probs)
+    in_k = torch.arange(w.shape[1], device=w.device).unsqueeze(0) < sb.top_k.unsqueeze(1)
+    w = w * in_k
+    csum = w.cumsum(dim=-1)
+    # keep a token while the mass ranked above it is below top_p of the (top-k) total
+    keep = in_k & ((csum - w) < sb.top_p.double().unsqueeze(1) * csum[:, -1:])
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk of float32 rows with equal values in token-id order (plain topk leaves ties to the kernel,
+    which may change with the batch). Each entry gets a distinct int64 key: the value's bits, made to
+    order like the float, above the inverted token id."""
+    bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into 0.0
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, lower key
+    ids = torch.arange(x.shape[1], device=x.device)
+    _, idx = (bits * 2**32 + (2**32 - 1 - ids)).topk(k, dim=-1)
+    return x.gather(1, idx), idx
 
 
 CDF_BLOCK = 1024
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row, the index i with cdf[i-1] <= u * total < cdf[i] (unnormalised probs [N, V]).
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row, the index i with cdf[i-1] <= floor(u * total) < cdf[i] (int64 weights [N, V]).
 
-    Two levels, so no float64 cumsum over the whole vocabulary: the row's blocks of CDF_BLOCK tokens are
-    summed, the block holding the target found, then the target found inside that block.
+    Two levels, so no cumsum over the whole vocabulary: the row's blocks of CDF_BLOCK tokens are summed,
+    the block holding the target found, then the target found inside that block. Integer sums are
+    exact, so both levels agree with a full cumsum.
     """
-    N, V = probs.shape
+    N, V = weights.shape
     nb = -(-V // CDF_BLOCK)
     if V % CDF_BLOCK:
-        probs = F.pad(probs, (0, nb * CDF_BLOCK - V))
-    blocks = probs.view(N, nb, CDF_BLOCK)
-    # float32 sums of 1024 terms are exact enough; only the short [N, nb] cumsum needs float64
-    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [N, nb]
-    target = (u * block_cdf[:, -1]).unsqueeze(1)  # [N, 1]
+        weights = F.pad(weights, (0, nb * CDF_BLOCK - V))
+    blocks = weights.view(N, nb, CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [N, nb]
+    target = (u * block_cdf[:, -1].double()).to(torch.int64).unsqueeze(1)  # [N, 1], in [0, total)
     b = _search(block_cdf, target)
-    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)
-    inner = blocks.gather(1, b.unsqueeze(-1).expand(N, 1, CDF_BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0)
+    inner = blocks.gather(1, b.unsqueeze(-1).expand(N, 1, CDF_BLOCK)).squeeze(1).cumsum(dim=-1)
     i = _search(inner, target - before)
     return (b * CDF_BLOCK + i).squeeze(1)
 
@@ -134,7 +167,7 @@ def _padded_exp(logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """First index whose cdf exceeds target, never past the last index with mass (rounding-safe)."""
+    """First index whose cdf exceeds target, never past the last index with mass."""
     idx = torch.searchsorted(cdf, target, right=True)
     last = (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)  # index of the last entry that adds mass
     return torch.minimum(idx, last)

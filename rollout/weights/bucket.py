@@ -54,12 +54,35 @@ class FlattenedBucket:
         return self.buffer.numel()
 
 
+# Short and safetensors names, beside torch's own ("bfloat16", "torch.bfloat16", "half"): trainers that
+# speak JSON send dtypes as strings, and checkpoint headers name them the safetensors way.
+DTYPE_ALIASES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 def parse_dtype(dtype: Any, what: str = "dtype") -> torch.dtype:
-    """A torch dtype from a torch.dtype or its name ("bfloat16" or "torch.bfloat16")."""
+    """A torch dtype from a torch.dtype or a name: torch's ("bfloat16", "torch.bfloat16"), short ("bf16")
+    or safetensors' ("BF16"). The one place dtypes are parsed; anything else is a TypeError."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if isinstance(dtype, str):
-        found = getattr(torch, dtype.removeprefix("torch."), None)
+        found = DTYPE_ALIASES.get(dtype) or getattr(torch, dtype.removeprefix("torch."), None)
         if isinstance(found, torch.dtype):
             return found
     raise TypeError(f"{what}: {dtype!r} is not a torch dtype")
@@ -148,11 +171,16 @@ def view(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return raw.view(meta.dtype).view(meta.shape)
 
 
-def validate(bucket: FlattenedBucket) -> None:
-    """Check the buffer and metadata agree: types, bounds, no overlap. Raises TypeError/ValueError."""
+def validate(bucket: FlattenedBucket) -> list[TensorMeta]:
+    """Check the buffer and metadata agree: types, bounds, no overlap. Raises TypeError/ValueError.
+    Returns the metadata with dtypes and shapes parsed (a TensorMeta may name its dtype as a string)."""
     buf = bucket.buffer
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"bucket buffer must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.layout != torch.strided or buf.is_meta:  # a sparse or meta buffer has no bytes to view
+        raise TypeError(
+            f"bucket buffer must be a dense tensor with data, got layout {buf.layout} on {buf.device}"
+        )
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(
             "bucket buffer must be a contiguous 1-D uint8 tensor, "
@@ -160,27 +188,34 @@ def validate(bucket: FlattenedBucket) -> None:
         )
     if not isinstance(bucket.metas, (list, tuple)) or not bucket.metas:
         raise ValueError("bucket metadata must be a non-empty list of TensorMeta")
-    for m in bucket.metas:
-        if not isinstance(m, TensorMeta):
-            raise TypeError(f"bucket metadata entries must be TensorMeta, got {type(m).__name__}")
-        parse_shape(m.shape, f"shape of {m.name!r}")
-        parse_dtype(m.dtype, f"dtype of {m.name!r}")
-        if not isinstance(m.offset, int) or m.offset < 0:
-            raise ValueError(f"bucket entry {m.name!r}: offset must be a non-negative int, got {m.offset!r}")
+    metas = [_parsed(m) for m in bucket.metas]
+    for m in metas:
         if m.end > buf.numel():
             raise ValueError(
                 f"bucket entry {m.name!r} spans bytes [{m.offset}, {m.end}) beyond the buffer's {buf.numel()}"
             )
-    spans = sorted((m.offset, m.end, m.name) for m in bucket.metas if m.nbytes)
+    spans = sorted((m.offset, m.end, m.name) for m in metas if m.nbytes)
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"bucket entries {a!r} and {b!r} overlap")
+    return metas
+
+
+def _parsed(m: Any) -> TensorMeta:
+    if not isinstance(m, TensorMeta):
+        raise TypeError(f"bucket metadata entries must be TensorMeta, got {type(m).__name__}")
+    if not isinstance(m.name, str):
+        raise TypeError(f"bucket entry name must be a str, got {type(m.name).__name__}")
+    shape = parse_shape(m.shape, f"shape of {m.name!r}")
+    dtype = parse_dtype(m.dtype, f"dtype of {m.name!r}")
+    if not isinstance(m.offset, int) or isinstance(m.offset, bool) or m.offset < 0:
+        raise ValueError(f"bucket entry {m.name!r}: offset must be a non-negative int, got {m.offset!r}")
+    return TensorMeta(m.name, dtype, shape, m.offset)
 
 
 def unpack(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
     """Validate, then return (name, view) pairs over the bucket's buffer."""
-    validate(bucket)
-    return [(m.name, view(bucket.buffer, m)) for m in bucket.metas]
+    return [(m.name, view(bucket.buffer, m)) for m in validate(bucket)]
 
 
 def from_sglang(obj: Any) -> FlattenedBucket:
@@ -197,9 +232,7 @@ def from_sglang(obj: Any) -> FlattenedBucket:
     for e in entries:
         get = e.get if isinstance(e, dict) else lambda k, e=e: getattr(e, k, None)
         name = get("name")
-        meta = TensorMeta(
-            name, parse_dtype(get("dtype"), f"dtype of {name!r}"), parse_shape(get("shape")), get("start_idx")
-        )
+        meta = _parsed(TensorMeta(name, get("dtype"), get("shape"), get("start_idx")))
         if get("end_idx") != meta.end:
             raise ValueError(
                 f"bucket entry {name!r}: end_idx {get('end_idx')} != start_idx + nbytes ({meta.end})"

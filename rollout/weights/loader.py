@@ -1,26 +1,24 @@
 """Weights by Hugging Face name: validate a whole set first, then copy into the existing parameters.
 
-Validation before any write is what makes an update all-or-nothing: a bad name, shape or dtype raises
-with the engine's weights untouched.
+Validation before any write is what makes an update all-or-nothing: a bad name, shape, dtype, kind of
+tensor (meta, sparse, DTensor) or a NaN/inf value raises with the engine's weights untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 from torch import nn
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
+from rollout.weights.bucket import parse_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,10 @@ class WeightTarget:
     def read(self) -> torch.Tensor:
         return self.module.read(self.param, self.shard)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(self.module, self.param).dtype
+
 
 def resolve(model: nn.Module, name: str, shape: Iterable[int], dtype: torch.dtype) -> WeightTarget | None:
     """Check one incoming tensor against the model; None for entries the model ignores."""
@@ -55,7 +57,63 @@ def resolve(model: nn.Module, name: str, shape: Iterable[int], dtype: torch.dtyp
         raise ValueError(f"weight {name!r} has shape {tuple(shape)}, the model expects {target.shape}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"weight {name!r} has dtype {dtype}, expected a floating-point dtype")
+    if not _castable(dtype, target.dtype):
+        raise TypeError(f"weight {name!r} has dtype {dtype}, which torch cannot cast to {target.dtype}")
     return target
+
+
+@functools.cache
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether copy_ casts src into dst (float8 casts, float4 does not): tried once on one element."""
+    try:
+        torch.zeros(1, dtype=dst).copy_(torch.zeros(1, dtype=src))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def check_tensor(name: Any, t: Any) -> None:
+    """What copy_ needs beyond name, shape and dtype: a dense tensor holding data in this process."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(t).__name__}")
+    if _is_dtensor(t):
+        raise TypeError(f"weight {name!r} is a DTensor; send its full_tensor()")
+    if t.is_meta:
+        raise TypeError(f"weight {name!r} is a meta tensor, which holds no data")
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"weight {name!r} has layout {t.layout}; send a dense tensor (to_dense())")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def refuse_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError naming the tensors that hold NaN or inf. One aminmax per tensor (NaN propagates
+    through it, an inf is an extreme) and one host sync per device: no copy of any tensor."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        if t.numel():
+            by_device.setdefault(t.device, []).append((name, t))
+    bad = []
+    for group in by_device.values():
+        ends = torch.stack([torch.stack(torch.aminmax(_reducible(t))).double() for _, t in group])
+        finite = torch.isfinite(ends).all(dim=1).tolist()
+        bad += [name for (name, _), ok in zip(group, finite) if not ok]
+    if bad:
+        raise ValueError(
+            f"{len(bad)} weight(s) hold NaN or inf values, e.g. {bad[:3]}; nothing was loaded "
+            "(check_finite=False loads them anyway)"
+        )
+
+
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    # aminmax has no float8 kernels; bfloat16 holds every float8 value exactly
+    return t if t.dtype.itemsize > 1 else t.to(torch.bfloat16)
 
 
 def resolve_all(
@@ -71,66 +129,104 @@ def resolve_all(
 
 
 @torch.no_grad()
-def load_tensors(model: nn.Module, named: list[tuple[str, torch.Tensor]]) -> int:
-    """Validate every (name, tensor), then load them all. Returns how many were loaded."""
+def load_tensors(
+    model: nn.Module, named: list[tuple[str, torch.Tensor]], *, check_finite: bool = True
+) -> int:
+    """Validate every (name, tensor), then load them all. Returns how many were loaded.
+    `check_finite`: refuse a set holding NaN or inf (on by default; one reduction per tensor)."""
     for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
     targets = resolve_all(model, ((n, t.shape, t.dtype) for n, t in named))
-    for target, (_, t) in zip(targets, named):
-        if target is not None:
-            target.load(t)
-    return sum(t is not None for t in targets)
+    loaded = [(target, t) for target, (_, t) in zip(targets, named) if target is not None]
+    if check_finite:
+        refuse_nonfinite([(target.name, t) for target, t in loaded])
+    for target, t in loaded:
+        target.load(t)
+    return len(loaded)
 
 
 # -- checkpoints on disk ---------------------------------------------------------------------------
 def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX_FILE
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
+        return [path / f for f in sorted(set(_weight_map(index).values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {str(path)!r}")
     return files
 
 
-def checkpoint_specs(files: list[Path]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every tensor, read from the headers alone."""
-    from safetensors import safe_open
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map, each file name checked to be a plain relative path inside the folder."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint index {str(index)!r} is not readable JSON: {e}") from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(
+            f"checkpoint index {str(index)!r}: 'weight_map' is missing or not a non-empty object"
+        )
+    for name, file in weight_map.items():
+        # checked by name, not by resolving: in a Hugging Face cache the files are symlinks to blobs
+        # outside the snapshot folder, which is fine; a name that climbs out of it is not
+        where = PurePosixPath(file) if isinstance(file, str) and file and "\\" not in file else None
+        if where is None or where.is_absolute() or ".." in where.parts:
+            raise ValueError(
+                f"checkpoint index {str(index)!r}: 'weight_map' entry {name!r} -> {file!r} "
+                "is not a file name inside the checkpoint folder"
+            )
+    return weight_map
 
+
+def checkpoint_specs(files: list[Path]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor, read from the headers alone (safetensors checks there that
+    the data covers the file, so a truncated file fails here, before any write)."""
     specs = []
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with _open(f) as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)
-                specs.append(
-                    (name, tuple(sl.get_shape()), SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.int64))
-                )
+                dtype = parse_dtype(sl.get_dtype(), f"checkpoint file {str(f)!r}: dtype of {name!r}")
+                specs.append((name, tuple(sl.get_shape()), dtype))
     return specs
+
+
+def _open(f: Path, device: str | torch.device = "cpu") -> Any:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(f), framework="pt", device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"checkpoint file {str(f)!r} is not a readable safetensors file: {e}") from e
 
 
 def iter_checkpoint(
     files: list[Path], device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as sf:
+        with _open(f, device) as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, path: str | Path, *, require_all: bool = True) -> int:
-    """Load a HF checkpoint folder after validating every tensor's name/shape/dtype from the headers."""
+def load_checkpoint(
+    model: nn.Module, path: str | Path, *, require_all: bool = True, check_finite: bool = True
+) -> int:
+    """Load a HF checkpoint folder after validating every tensor's name/shape/dtype from the headers.
+    `check_finite` reads the tensors once more before the first write, to refuse NaN or inf."""
     files = safetensors_files(path)
     targets = {t.name: t for t in resolve_all(model, checkpoint_specs(files)) if t is not None}
     if require_all:
         missing = [n for n in model.hf_names() if n not in targets]
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    if check_finite:
+        for name, tensor in iter_checkpoint(files):
+            if name in targets:
+                refuse_nonfinite([(name, tensor)])
     for name, tensor in iter_checkpoint(files):
         if name in targets:
             targets[name].load(tensor)
