@@ -31,7 +31,7 @@ from rollout.memory import TAGS, MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput
-from rollout.requests import check_lengths, check_prompts, normalize_params, normalize_prompts
+from rollout.requests import check_lengths, check_params, check_prompts, normalize_params, normalize_prompts
 from rollout.results import request_output
 from rollout.runner.model_runner import ModelRunner
 from rollout.sampling import SamplingParams
@@ -351,6 +351,7 @@ class Engine:
         token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
         check_prompts(token_lists, self.model_config.vocab_size)
         params = normalize_params(sampling_params, len(token_lists))
+        check_params(params, self.model_config.vocab_size)
         check_lengths(token_lists, params, self._max_model_len, self.pool_tokens)
         if self.tokenizer is None and any(p.stop_strings for p in params):
             raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")

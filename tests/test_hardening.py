@@ -272,9 +272,6 @@ def test_check_params_against_the_vocabulary():
         requests.check_params([SamplingParams(top_logprobs=82)], 81)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="wiring: Engine.generate must call requests.check_params(params, vocab_size)"
-)
 @pytest.mark.parametrize("field", [dict(stop_token_ids=[10**6]), dict(top_logprobs=10**6)])
 def test_engine_refuses_params_outside_the_vocabulary(engine, field):
     ok = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
