@@ -191,12 +191,14 @@ def train(cfg: Config) -> list[dict[str, float]]:
         dtype=cfg.dtype,
         mem_fraction=cfg.mem_fraction,
     )
+    trainer = None
     try:
-        trainer = (
-            ray.remote(Trainer).options(num_cpus=1, num_gpus=cfg.trainer_gpus).remote(cfg, model_dir, group)
-        )
+        trainer_class = ray.remote(Trainer).options(num_cpus=1, num_gpus=cfg.trainer_gpus)
+        trainer = trainer_class.remote(cfg, model_dir, group)  # the group travels; it broadcasts from there
         return _loop(cfg, group, trainer, load_tokenizer(model_dir))
     finally:
+        if trainer is not None:
+            ray.kill(trainer)
         group.shutdown()
 
 
