@@ -349,10 +349,12 @@ class RolloutGroup:
             return
         name = sender.group_name
         live = [i for i in self._sender_members if i in self.alive]
+        # our side first: after a failed broadcast, engines still receiving fail once rank 0 has left,
+        # and only then can they take the destroy call
+        _settle_quietly(sender.close)
         _settle_quietly(
             lambda: self._gather({i: self.actors[i].destroy_weights_update_group.remote(name) for i in live})
         )
-        _settle_quietly(sender.close)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
