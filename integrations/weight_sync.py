@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.weights import broadcast as bc
 from rollout import ipc
+from rollout.weights import broadcast as bc
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, write
 
 DEFAULT_BUCKET_BYTES = 512 << 20
