@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rollout.compat import with_graphs
 from rollout.compat.serialize import LocalSerializedTensor, MultiprocessingSerializer
 from rollout.engine import Engine as CoreEngine
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -311,17 +312,6 @@ def finish_reason(c: CompletionOutput) -> dict | None:
     if c.finish_reason == "abort":
         return {"type": "abort", "message": "aborted"}
     return None
-
-
-def with_graphs(tags: str | Iterable[str] | None, released: frozenset[str]) -> list[str] | None:
-    """Waking the KV cache also wakes the captured graphs, which replay over it (SGLang's callers
-    resume only "weights" and "kv_cache")."""
-    if tags is None:
-        return None
-    tags = [tags] if isinstance(tags, str) else list(tags)
-    if "kv_cache" in tags and "cuda_graph" in released and "cuda_graph" not in tags:
-        tags.append("cuda_graph")
-    return tags
 
 
 def byte_layout(bucket: dict) -> dict:
