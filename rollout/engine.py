@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -305,15 +305,26 @@ class Engine:
         *,
         input_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool | None = None,
+        add_special_tokens: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; one RequestOutput per prompt, in order."""
+        """Generate completions for every prompt; one RequestOutput per prompt, in order.
+
+        `prompts` may be a tokenizer's BatchEncoding (its input_ids, padding dropped by its
+        attention_mask). `add_special_tokens` is passed to the tokenizer for text prompts (None: the
+        tokenizer's default; False for text that already holds them, such as a chat template's)."""
         if self.scheduler.requests:
             raise RuntimeError(
                 "generate: requests added with add_request are in flight; run step() until "
                 "has_unfinished() is False (or abort them) first"
             )
+        if _is_encoding(prompts):
+            if input_ids is not None:
+                raise ValueError("pass exactly one of prompts (text) or input_ids (token ids)")
+            prompts, input_ids = None, _encoding_ids(prompts)
         with agreement(self.tp, "generate inputs") as agreed:  # a TP group runs one schedule
-            token_lists, texts, params = self._check_inputs(prompts, input_ids, sampling_params)
+            token_lists, texts, params = self._check_inputs(
+                prompts, input_ids, sampling_params, add_special_tokens
+            )
             agreed.propose(inputs=(token_lists, params), engine_state=self._schedule_state())
         ids = [f"generate-{next(self._generate_ids)}" for _ in token_lists]
         for rid, tokens, p, text in zip(ids, token_lists, params, texts or [None] * len(ids)):
@@ -321,6 +332,29 @@ class Engine:
         show = len(ids) > 1 if use_tqdm is None else use_tqdm
         done = self._run_to_end(sum(p.n for p in params), show)
         return [done[rid] for rid in ids]
+
+    @serialised
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
+        them, each rendered by the tokenizer's chat template with the generation prompt added."""
+        texts = [self._render_chat(conv, chat_template_kwargs) for conv in _conversations(messages)]
+        # the template writes the special tokens itself (BOS included): encoding must not add more
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def _render_chat(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any] | None) -> str:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and the checkpoint has none")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("chat: the tokenizer has no chat template (set tokenizer.chat_template)")
+        options = {"add_generation_prompt": True, **(kwargs or {})}
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, **options)
 
     def _run_to_end(self, num_seqs: int, show: bool) -> dict[Hashable, RequestOutput]:
         bar = tqdm(total=num_seqs, desc="generate", unit="seq", disable=not show, dynamic_ncols=True)
@@ -346,9 +380,9 @@ class Engine:
         return done
 
     def _check_inputs(
-        self, prompts: Any, input_ids: Any, sampling_params: Any
+        self, prompts: Any, input_ids: Any, sampling_params: Any, add_special_tokens: bool | None = None
     ) -> tuple[list[list[int]], list[str] | None, list[SamplingParams]]:
-        token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer)
+        token_lists, texts = normalize_prompts(prompts, input_ids, self.tokenizer, add_special_tokens)
         check_prompts(token_lists, self.model_config.vocab_size)
         params = normalize_params(sampling_params, len(token_lists))
         check_params(params, self.model_config.vocab_size)
@@ -522,6 +556,37 @@ def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _is_encoding(obj: Any) -> bool:
+    """A tokenizer's BatchEncoding (or a plain dict shaped like one)."""
+    return isinstance(obj, Mapping) and "input_ids" in obj
+
+
+def _encoding_ids(enc: Mapping) -> list[list[int]]:
+    ids = enc["input_ids"]
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]  # one unbatched prompt
+    mask = enc.get("attention_mask")
+    if mask is None:
+        return [list(p) for p in ids]
+    mask = mask.tolist() if hasattr(mask, "tolist") else mask
+    if mask and not isinstance(mask[0], (list, tuple)):
+        mask = [mask]
+    return [[t for t, m in zip(p, row) if m] for p, row in zip(ids, mask)]  # padding out
+
+
+def _is_conversation(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and bool(obj) and all(isinstance(m, Mapping) for m in obj)
+
+
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    if _is_conversation(messages):
+        return [list(messages)]
+    if isinstance(messages, (list, tuple)) and messages and all(_is_conversation(c) for c in messages):
+        return [list(c) for c in messages]
+    raise TypeError("messages must be a list of {'role', 'content'} dicts, or a non-empty list of such lists")
 
 
 def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:

@@ -9,9 +9,11 @@ from rollout.sampling import SamplingParams
 
 
 def normalize_prompts(
-    prompts: Any, input_ids: Any, tokenizer: Any
+    prompts: Any, input_ids: Any, tokenizer: Any, add_special_tokens: bool | None = None
 ) -> tuple[list[list[int]], list[str] | None]:
-    """One token list per prompt (and the texts when given as text)."""
+    """One token list per prompt (and the texts when given as text). `add_special_tokens`: None
+    encodes as the tokenizer does by default; False for text that already holds them (a chat
+    template's output), so no second BOS is added."""
     if (prompts is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompts (text) or input_ids (token ids)")
     if prompts is not None:
@@ -23,7 +25,8 @@ def normalize_prompts(
         for i, text in enumerate(texts):
             if not text:
                 raise ValueError(f"prompts[{i}] is empty")
-        return [list(tokenizer.encode(t)) for t in texts], list(texts)
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return [list(tokenizer.encode(t, **kwargs)) for t in texts], list(texts)
     ids = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
     if isinstance(ids, Seq) and ids and all(_is_int(t) for t in ids):
         ids = [ids]
