@@ -449,10 +449,18 @@ class Engine:
         return self._load(self.weights.receive(names, dtypes, shapes, group_name, load_format), abort)
 
     @serialised
-    def update_weights_from_disk(self, model_path: str | Path, *, abort: bool = False) -> int:
-        """Load every weight of a HF checkpoint folder with the same architecture and shapes."""
+    def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        *,
+        abort: bool = False,
+        weight_name_filter: Callable[[str], bool] | list[str] | None = None,
+    ) -> int:
+        """Load the weights of a HF checkpoint folder with the same architecture and shapes: every one,
+        or those `weight_name_filter` selects (a callable on the HF name, or a list of HF names; a
+        partial checkpoint then suffices). Every header is validated before the first write."""
         self._before_weight_update(abort)
-        count = self.weights.load_disk(model_path)
+        count = self.weights.load_disk(model_path, weight_name_filter)
         self.pages.flush()  # cached prefixes hold KV computed by the old weights
         return count
 
