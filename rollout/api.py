@@ -22,6 +22,7 @@ ENGINE_METHODS = (
     "destroy_weights_update_group",
     "update_weights_from_disk",
     "get_weights_by_name",
+    "weights_checksum",
     "flush_cache",
     # lifetime
     "shutdown",

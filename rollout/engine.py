@@ -504,6 +504,15 @@ class Engine:
         return self.weights.read(name, truncate_size)
 
     @serialised
+    def weights_checksum(self, names: list[str] | None = None) -> dict[str, int]:
+        """Per HF name (None: every weight), a 64-bit checksum of the weight as Hugging Face shapes it,
+        computed on the device (rollout/weights/checksum.py): equal for bit-identical tensors, changed
+        by any single changed element. `integrations.verify_sync` compares it with the trainer's."""
+        self.memory.check_weights_resident("weights_checksum")
+        self.weights.check_valid("weights_checksum")
+        return self.weights.checksums(names)
+
+    @serialised
     def flush_cache(self) -> None:
         """Drop the prefix cache (cached prompt pages); running requests are not affected."""
         self.pages.flush()

@@ -18,7 +18,7 @@ import torch
 
 from rollout.distributed import TPGroup
 from rollout.models.config import ModelConfig
-from rollout.weights import broadcast
+from rollout.weights import broadcast, checksum
 from rollout.weights.bucket import as_bucket, unpack
 from rollout.weights.loader import (
     WeightTarget,
@@ -192,6 +192,24 @@ class WeightManager:
         if truncate_size is not None:
             t = t[:truncate_size]
         return t.detach().to("cpu", copy=True)
+
+    @torch.no_grad()
+    def checksums(self, names: Sequence[str] | None) -> dict[str, int]:
+        """Per HF name, the checksum of the weight as Hugging Face shapes it (weights/checksum.py),
+        computed where the weight lives; fused parameters are read as their HF slices."""
+        if names is None:
+            names = self.model.hf_names()
+        elif isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise TypeError(f"names must be a list of weight names or None, got {type(names).__name__}")
+        targets = []
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"names: weight name must be a str, got {type(name).__name__}")
+            found = self.model.resolve(name)
+            if found is None:
+                raise ValueError(f"names: {name!r} is not a weight of this model")
+            targets.append(WeightTarget(name, *found))
+        return dict(zip(names, checksum.checksums(t.read() for t in targets)))
 
 
 def _name_filter(weight_name_filter: Any, path: Path) -> Callable[[str], bool] | None:
