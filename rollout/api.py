@@ -12,6 +12,7 @@ ENGINE_METHODS = (
     "abort_request",
     "has_unfinished",
     "generate",
+    "score",
     # memory
     "release_memory_occupation",
     "resume_memory_occupation",

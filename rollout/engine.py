@@ -37,6 +37,7 @@ from rollout.results import request_output
 from rollout.runner.model_runner import ModelRunner
 from rollout.sampling import SamplingParams
 from rollout.scheduler import Scheduler
+from rollout.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
 from rollout.sequence import Request, Sequence
 from rollout.stop import StopChecker
 from rollout.weights import broadcast
@@ -350,6 +351,54 @@ class Engine:
         self._last_stats = stats
         return done
 
+    @serialised
+    def score(
+        self,
+        prompts: str | list[str] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        start: int | list[int] | None = None,
+        top_logprobs: int = 0,
+        temperature: float = 1.0,
+    ) -> list[ScoreOutput]:
+        """The logprob of every token from `start` on (default 1: all but the first) of each sequence under
+        the current weights, log_softmax(logits / temperature) as for sampled tokens (0: plain). Prefill
+        only, through the paged KV cache: sequences whose first `start` tokens agree (a GRPO group) are
+        one request, so their shared prompt is computed once. One ScoreOutput per sequence, in order."""
+        if self.scheduler.requests:
+            raise RuntimeError("score: requests added with add_request are in flight; finish them first")
+        with agreement(self.tp, "score inputs") as agreed:
+            token_lists, _ = normalize_prompts(prompts, input_ids, self.tokenizer)
+            check_prompts(token_lists, self.model_config.vocab_size)
+            starts = check_score_inputs(
+                token_lists, start, top_logprobs, temperature, self._max_model_len, self.pool_tokens
+            )
+            params = SamplingParams(temperature=temperature, max_new_tokens=1, prompt_logprobs=top_logprobs)
+            self._check_ready("cannot score")
+            agreed.propose(inputs=(token_lists, starts, params), engine_state=self._schedule_state())
+        groups = score_groups(token_lists, starts)
+        seqs: list[Sequence] = [None] * len(token_lists)  # type: ignore[list-item]
+        for members in groups:
+            rid = f"score-{next(self._generate_ids)}"
+            group = []
+            for sample, i in enumerate(members):
+                seq = Sequence(
+                    next(self._seq_ids),
+                    rid,
+                    sample,
+                    list(token_lists[i]),
+                    len(token_lists[i]),
+                    params,
+                    0,
+                    logprobs_from=starts[i],
+                    score_only=True,
+                )
+                seqs[i] = seq
+                group.append(seq)
+            self.scheduler.add(Request(rid, token_lists[members[0]][: starts[members[0]]], params, group))
+        self._run_to_end(len(seqs), show=False)
+        return [score_output(s, top_logprobs) for s in seqs]
+
     def _check_inputs(
         self, prompts: Any, input_ids: Any, sampling_params: Any
     ) -> tuple[list[list[int]], list[str] | None, list[SamplingParams]]:
@@ -378,6 +427,8 @@ class Engine:
         for sample in range(p.n):
             seed = self._rng.getrandbits(63) if p.seed is None else p.seed * 1_000_003 + sample
             seqs.append(Sequence(next(self._seq_ids), request_id, sample, list(tokens), len(tokens), p, seed))
+        if p.prompt_logprobs is not None:  # the first sample's prefill scores the prompt; the rest share it
+            seqs[0].logprobs_from = 1
         self.scheduler.add(Request(request_id, list(tokens), p, seqs, prompt=text, stream=stream))
 
     # -- memory -----------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # None: off; k >= 0: RequestOutput.prompt_logprobs holds the logprob of every prompt token after the
+    # first (at this temperature, as for sampled tokens), and with k > 0 the top k of each position too
+    prompt_logprobs: int | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, low=0)
         if self.seed is not None:
             _check_int("seed", self.seed)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if not all(isinstance(s, str) and s for s in stop):
             raise TypeError(
