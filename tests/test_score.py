@@ -129,3 +129,12 @@ def test_score_bf16_on_gpu_equals_transformers(qwen3_dir):
         want = torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), torch.tensor(seq[1:])].cpu()
         # bf16 activations: kernels differ in rounding, not in the function
         assert (torch.tensor(out.logprobs) - want).abs().max() < 0.05
+
+
+def test_score_across_an_engine_process(qwen3_dir):
+    from rollout import EngineProcess
+
+    local = engine_for(qwen3_dir).score(input_ids=SEQS, start=1, top_logprobs=1)
+    with EngineProcess(qwen3_dir, device="cpu", page_size=4, max_total_tokens=4096) as proc:
+        remote = proc.score(input_ids=SEQS, start=1, top_logprobs=1)
+    assert remote == local  # same engine, same schedule: the same bits
