@@ -230,7 +230,10 @@ class BroadcastSender:
         on_update: Callable[..., Any] | None = None,
         device: torch.device | str | None = None,
         timeout: float = bc.DEFAULT_TIMEOUT_S,
+        on_checksum: Callable[[list[str]], dict[str, int]] | None = None,
     ):
+        # on_checksum(names) asks the engine for its weights_checksum (integrations.verify_sync)
+        self.on_checksum = on_checksum
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.group = bc.join_group(
@@ -336,6 +339,7 @@ class BroadcastSender:
                 device=device,
                 timeout=timeout,
                 on_update=lambda **kw: engine.submit("update_weights_from_distributed", **kw),
+                on_checksum=engine.weights_checksum,
             )
         except BaseException:
             _settle_quietly(joining)
@@ -396,6 +400,7 @@ def sync_weights(
     dtype: torch.dtype | str | None = "auto",
     flatten: bool | None = None,
     abort: bool = False,
+    verify: bool = False,
 ) -> SyncStats:
     """Copy every parameter of `model` into `engine` (Engine, EngineProcess, BroadcastSender, or None
     on ranks that only take part in FSDP2 gathers).
@@ -404,6 +409,8 @@ def sync_weights(
     master copy crosses as bfloat16), None keeps the trainer's. flatten: for an in-process Engine,
     pack flattened buckets instead of handing over the tensors (other targets always flatten).
     abort: abort requests in flight in the engine instead of refusing the update.
+    verify: then compare checksums of every tensor on both sides (integrations.verify_sync), raising
+    WeightMismatchError naming the first that differs.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -420,6 +427,8 @@ def sync_weights(
             if any(_is_dtensor(p) for p in b.params):
                 for _ in b.tensors():
                     pass
+        if verify:
+            _verify(model, None, dtype)
         return SyncStats("none", len(named), 0, 0, time.perf_counter() - t0)
     try:
         for b in buckets:
@@ -429,9 +438,17 @@ def sync_weights(
         target.cancel()
         raise
     _sync_device(named)
+    if verify:
+        _verify(model, engine, dtype)
     return SyncStats(
         target.name, len(named), len(buckets), sum(b.nbytes for b in buckets), time.perf_counter() - t0
     )
+
+
+def _verify(model: nn.Module, engine: Any, dtype: torch.dtype | None) -> None:
+    from integrations.verify import verify_sync  # verify imports this module
+
+    verify_sync(model, engine, dtype=dtype)
 
 
 def _sync_device(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -4,6 +4,7 @@ from rollout.engine import Engine
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.process import EngineProcess
 from rollout.sampling import SamplingParams
+from rollout.scoring import ScoreOutput
 
-__all__ = ["Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ ENGINE_METHODS = (
     "has_unfinished",
     "generate",
     "chat",
+    "score",
     # memory
     "release_memory_occupation",
     "resume_memory_occupation",
@@ -23,6 +24,7 @@ ENGINE_METHODS = (
     "destroy_weights_update_group",
     "update_weights_from_disk",
     "get_weights_by_name",
+    "weights_checksum",
     "flush_cache",
     # lifetime
     "shutdown",

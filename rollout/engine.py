@@ -36,6 +36,7 @@ from rollout.results import request_output
 from rollout.runner.model_runner import ModelRunner
 from rollout.sampling import SamplingParams
 from rollout.scheduler import Scheduler
+from rollout.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
 from rollout.sequence import Request, Sequence
 from rollout.stop import StopChecker
 from rollout.weights import broadcast
@@ -379,6 +380,54 @@ class Engine:
         self._last_stats = stats
         return done
 
+    @serialised
+    def score(
+        self,
+        prompts: str | list[str] | None = None,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        start: int | list[int] | None = None,
+        top_logprobs: int = 0,
+        temperature: float = 1.0,
+    ) -> list[ScoreOutput]:
+        """The logprob of every token from `start` on (default 1: all but the first) of each sequence under
+        the current weights, log_softmax(logits / temperature) as for sampled tokens (0: plain). Prefill
+        only, through the paged KV cache: sequences whose first `start` tokens agree (a GRPO group) are
+        one request, so their shared prompt is computed once. One ScoreOutput per sequence, in order."""
+        if self.scheduler.requests:
+            raise RuntimeError("score: requests added with add_request are in flight; finish them first")
+        with agreement(self.tp, "score inputs") as agreed:
+            token_lists, _ = normalize_prompts(prompts, input_ids, self.tokenizer)
+            check_prompts(token_lists, self.model_config.vocab_size)
+            starts = check_score_inputs(
+                token_lists, start, top_logprobs, temperature, self._max_model_len, self.pool_tokens
+            )
+            params = SamplingParams(temperature=temperature, max_new_tokens=1, prompt_logprobs=top_logprobs)
+            self._check_ready("cannot score")
+            agreed.propose(inputs=(token_lists, starts, params), engine_state=self._schedule_state())
+        groups = score_groups(token_lists, starts)
+        seqs: list[Sequence] = [None] * len(token_lists)  # type: ignore[list-item]
+        for members in groups:
+            rid = f"score-{next(self._generate_ids)}"
+            group = []
+            for sample, i in enumerate(members):
+                seq = Sequence(
+                    next(self._seq_ids),
+                    rid,
+                    sample,
+                    list(token_lists[i]),
+                    len(token_lists[i]),
+                    params,
+                    0,
+                    logprobs_from=starts[i],
+                    score_only=True,
+                )
+                seqs[i] = seq
+                group.append(seq)
+            self.scheduler.add(Request(rid, token_lists[members[0]][: starts[members[0]]], params, group))
+        self._run_to_end(len(seqs), show=False)
+        return [score_output(s, top_logprobs) for s in seqs]
+
     def _check_inputs(
         self, prompts: Any, input_ids: Any, sampling_params: Any, add_special_tokens: bool | None = None
     ) -> tuple[list[list[int]], list[str] | None, list[SamplingParams]]:
@@ -408,6 +457,8 @@ class Engine:
         for sample in range(p.n):
             seed = self._rng.getrandbits(63) if p.seed is None else p.seed * 1_000_003 + sample
             seqs.append(Sequence(next(self._seq_ids), request_id, sample, list(tokens), len(tokens), p, seed))
+        if p.prompt_logprobs is not None:  # the first sample's prefill scores the prompt; the rest share it
+            seqs[0].logprobs_from = 1
         self.scheduler.add(Request(request_id, list(tokens), p, seqs, prompt=text, stream=stream))
 
     # -- memory -----------------------------------------------------------------------------------
@@ -479,10 +530,18 @@ class Engine:
         return self._load(self.weights.receive(names, dtypes, shapes, group_name, load_format), abort)
 
     @serialised
-    def update_weights_from_disk(self, model_path: str | Path, *, abort: bool = False) -> int:
-        """Load every weight of a HF checkpoint folder with the same architecture and shapes."""
+    def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        *,
+        abort: bool = False,
+        weight_name_filter: Callable[[str], bool] | list[str] | None = None,
+    ) -> int:
+        """Load the weights of a HF checkpoint folder with the same architecture and shapes: every one,
+        or those `weight_name_filter` selects (a callable on the HF name, or a list of HF names; a
+        partial checkpoint then suffices). Every header is validated before the first write."""
         self._before_weight_update(abort)
-        count = self.weights.load_disk(model_path)
+        count = self.weights.load_disk(model_path, weight_name_filter)
         self.pages.flush()  # cached prefixes hold KV computed by the old weights
         return count
 
@@ -524,6 +583,15 @@ class Engine:
         self.memory.check_weights_resident("get_weights_by_name")
         self.weights.check_valid("get_weights_by_name")
         return self.weights.read(name, truncate_size)
+
+    @serialised
+    def weights_checksum(self, names: list[str] | None = None) -> dict[str, int]:
+        """Per HF name (None: every weight), a 64-bit checksum of the weight as Hugging Face shapes it,
+        computed on the device (rollout/weights/checksum.py): equal for bit-identical tensors, changed
+        by any single changed element. `integrations.verify_sync` compares it with the trainer's."""
+        self.memory.check_weights_resident("weights_checksum")
+        self.weights.check_valid("weights_checksum")
+        return self.weights.checksums(names)
 
     @serialised
     def flush_cache(self) -> None:

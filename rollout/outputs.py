@@ -34,3 +34,7 @@ class RequestOutput:
     prompt: str | None = None
     request_id: Hashable = None
     finished: bool = True
+    # with SamplingParams.prompt_logprobs: the logprob of prompt tokens 1.. (the first has none) and,
+    # when it is > 0, the top ones of each position
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None

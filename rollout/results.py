@@ -18,7 +18,19 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         prompt=req.prompt,
         request_id=req.request_id,
         finished=req.finished,
+        **_prompt_logprobs(req),
     )
+
+
+def _prompt_logprobs(req: Request) -> dict:
+    """The prompt's logprobs, computed by the first sample's prefill, once it is complete."""
+    want, lead = req.params.prompt_logprobs, req.seqs[0]
+    if want is None or len(lead.prompt_logprobs) < len(req.prompt_ids) - 1:
+        return {}
+    return {
+        "prompt_logprobs": list(lead.prompt_logprobs),
+        "prompt_top_logprobs": list(lead.prompt_top_logprobs) if want else None,
+    }
 
 
 def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:

@@ -31,6 +31,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # None: off; k >= 0: RequestOutput.prompt_logprobs holds the logprob of every prompt token after the
+    # first (at this temperature, as for sampled tokens), and with k > 0 the top k of each position too
+    prompt_logprobs: int | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class SamplingParams:
             _check_list("stop_token_ids", self.stop_token_ids)
             for t in self.stop_token_ids:
                 _check_int("stop_token_ids", t, low=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

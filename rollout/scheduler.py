@@ -117,6 +117,10 @@ class Scheduler:
         if len(pages) * self.pages.page_size >= seq.num_tokens:
             self.pages.release(pages[-1:])
             pages = pages[:-1]
+        if seq.logprobs_from is not None:  # the logits from position logprobs_from - 1 on are wanted
+            keep = (seq.logprobs_from - 1) // self.pages.page_size
+            self.pages.release(pages[keep:])
+            pages = pages[:keep]
         seq.pages, seq.num_indexed_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.pages.page_size
 
@@ -146,7 +150,13 @@ class Scheduler:
         """Account for the computed chunks, append the sampled tokens, finish what stopped. Returns the
         requests that gained a token (finished ones have left the scheduler)."""
         touched: dict[Hashable, Request] = {}
+        if out is not None and out.prompt:
+            _add_prompt_logprobs(batch, out.prompt)
         for i, seq in enumerate(self._advance(batch)):
+            if seq.score_only:  # Engine.score: its logprobs are all in, nothing to sample
+                self._finish(seq)
+                touched[seq.request_id] = self.requests[seq.request_id]
+                continue
             seq.token_ids.append(out.tokens[i])
             if seq.params.logprobs:
                 seq.logprobs.append(out.logprobs[i])
@@ -200,3 +210,15 @@ class Scheduler:
     def abort_all(self) -> list[Request]:
         """Abort every request in flight (their pages are freed); returns them."""
         return [self.abort(rid) for rid in list(self.requests)]
+
+
+def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
+    """Store the logprobs of given tokens a prefill chunk computed. A preempted sequence recomputes
+    from its start: its pieces overwrite what it had from there on (the same values)."""
+    for i, piece in pieces.items():
+        seq = batch.seqs[i]
+        keep = piece.first - seq.logprobs_from
+        del seq.prompt_logprobs[keep:], seq.prompt_top_logprobs[keep:]
+        seq.prompt_logprobs += piece.logprobs
+        if piece.top is not None:
+            seq.prompt_top_logprobs += piece.top

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,3 +47,4 @@ class StepOutput:
     tokens: list[int]
     logprobs: list[float]
     top: list[dict[int, float]] | None
+    prompt: dict[int, Any] | None = None  # batch index -> scoring.PromptPiece (logprobs of given tokens)

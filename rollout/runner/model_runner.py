@@ -18,6 +18,7 @@ from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
+from rollout.scoring import prompt_logprobs
 from rollout.sequence import uniforms
 from rollout.transfer import to_device
 
@@ -127,24 +128,32 @@ class ModelRunner:
 
     # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        """float32 logits [N, vocab] for the rows that sample."""
+    def forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every token of the step."""
         if inputs.graph_bs is not None:
             self.graph_steps += 1
-            hidden = self.graphs.replay(inputs)
-        else:
-            self.eager_steps += 1
-            ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-        return self.model.logits(hidden[inputs.logit_rows])
+            return self.graphs.replay(inputs)
+        self.eager_steps += 1
+        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
+        return self.model(inputs.input_ids, inputs.positions, ctx)
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows that sample."""
+        return self.model.logits(self.forward_hidden(inputs)[inputs.logit_rows])
 
     @torch.inference_mode()
     def step(self, batch: ScheduledBatch) -> StepOutput | None:
         inputs = self.prepare(batch)
-        logits = self.forward_logits(inputs)
+        hidden = self.forward_hidden(inputs)
+        # logprobs of given tokens at the chunk's positions (rollout/scoring.py), before sampling
+        prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
         if inputs.sampling is None:
-            return None
-        return to_host(sample(logits, inputs.sampling), inputs.sampling.num_top_logprobs)
+            return None if prompt is None else StepOutput([], [], None, prompt)
+        logits = self.model.logits(hidden[inputs.logit_rows])
+        out = to_host(sample(logits, inputs.sampling), inputs.sampling.num_top_logprobs)
+        out.prompt = prompt
+        return out
 
 
 def to_host(res: SampleResult, k: int) -> StepOutput:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -203,31 +203,39 @@ def _open(f: Path, device: str | torch.device = "cpu") -> Any:
 
 
 def iter_checkpoint(
-    files: list[Path], device: str | torch.device = "cpu"
+    files: list[Path], device: str | torch.device = "cpu", only: Container[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor, or of those in `only` (the others are never read)."""
     for f in files:
         with _open(f, device) as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                if only is None or name in only:
+                    yield name, sf.get_tensor(name)
 
 
 @torch.no_grad()
 def load_checkpoint(
-    model: nn.Module, path: str | Path, *, require_all: bool = True, check_finite: bool = True
+    model: nn.Module,
+    path: str | Path,
+    *,
+    require_all: bool = True,
+    keep: Callable[[str], bool] | None = None,
+    check_finite: bool = True,
 ) -> int:
     """Load a HF checkpoint folder after validating every tensor's name/shape/dtype from the headers.
+    `keep(name)` selects the tensors to load (a partial update); every header is still validated.
     `check_finite` reads the tensors once more before the first write, to refuse NaN or inf."""
     files = safetensors_files(path)
     targets = {t.name: t for t in resolve_all(model, checkpoint_specs(files)) if t is not None}
+    if keep is not None:
+        targets = {n: t for n, t in targets.items() if keep(n)}
     if require_all:
         missing = [n for n in model.hf_names() if n not in targets]
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     if check_finite:
-        for name, tensor in iter_checkpoint(files):
-            if name in targets:
-                refuse_nonfinite([(name, tensor)])
-    for name, tensor in iter_checkpoint(files):
-        if name in targets:
-            targets[name].load(tensor)
+        for name, tensor in iter_checkpoint(files, only=targets):
+            refuse_nonfinite([(name, tensor)])
+    for name, tensor in iter_checkpoint(files, only=targets):
+        targets[name].load(tensor)
     return len(targets)

@@ -10,7 +10,7 @@ parallelism. The engine decides when a load may run (nothing in flight, memory r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,15 @@ import torch
 
 from rollout.distributed import TPGroup
 from rollout.models.config import ModelConfig
-from rollout.weights import broadcast
+from rollout.weights import broadcast, checksum
 from rollout.weights.bucket import as_bucket, unpack
-from rollout.weights.loader import WeightTarget, load_checkpoint, load_tensors
+from rollout.weights.loader import (
+    WeightTarget,
+    checkpoint_specs,
+    load_checkpoint,
+    load_tensors,
+    safetensors_files,
+)
 
 log = logging.getLogger("rollout")
 
@@ -103,16 +109,31 @@ class WeightManager:
         return count
 
     @torch.no_grad()
-    def load_disk(self, model_path: str | Path) -> int:
-        """Every weight of a HF checkpoint folder with the same architecture and shapes."""
+    def load_disk(self, model_path: str | Path, weight_name_filter: Any = None) -> int:
+        """The weights of a HF checkpoint folder with the same architecture and shapes: all of them, or
+        those `weight_name_filter` selects (a callable on the HF name, or a list of names)."""
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise ValueError(f"model_path: {str(model_path)!r} is not a folder with a config.json")
         arch = ModelConfig.from_path(str(path)).architecture
         if arch != self.model_config.architecture:
             raise ValueError(f"model_path holds a {arch}, the engine runs a {self.model_config.architecture}")
-        count = load_checkpoint(self.model, path)  # validates every header before the first write
-        self._loaded(None)
+        keep = _name_filter(weight_name_filter, path)
+        loaded: list[str] = []  # what the filter selected, for the validity bookkeeping
+
+        def wanted(name: str) -> bool:
+            if keep(name):
+                loaded.append(name)
+                return True
+            return False
+
+        # validates every header before the first write
+        count = load_checkpoint(
+            self.model, path, require_all=keep is None, keep=None if keep is None else wanted
+        )
+        if keep is not None and count == 0:
+            raise ValueError("weight_name_filter selected no weight of the checkpoint")
+        self._loaded(None if keep is None else loaded)
         return count
 
     # -- broadcast groups -------------------------------------------------------------------------
@@ -171,6 +192,43 @@ class WeightManager:
         if truncate_size is not None:
             t = t[:truncate_size]
         return t.detach().to("cpu", copy=True)
+
+    @torch.no_grad()
+    def checksums(self, names: Sequence[str] | None) -> dict[str, int]:
+        """Per HF name, the checksum of the weight as Hugging Face shapes it (weights/checksum.py),
+        computed where the weight lives; fused parameters are read as their HF slices."""
+        if names is None:
+            names = self.model.hf_names()
+        elif isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise TypeError(f"names must be a list of weight names or None, got {type(names).__name__}")
+        targets = []
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"names: weight name must be a str, got {type(name).__name__}")
+            found = self.model.resolve(name)
+            if found is None:
+                raise ValueError(f"names: {name!r} is not a weight of this model")
+            targets.append(WeightTarget(name, *found))
+        return dict(zip(names, checksum.checksums(t.read() for t in targets)))
+
+
+def _name_filter(weight_name_filter: Any, path: Path) -> Callable[[str], bool] | None:
+    """The filter as a predicate; a list's names must all be in the checkpoint (a typo loads nothing)."""
+    if weight_name_filter is None or callable(weight_name_filter):
+        return weight_name_filter
+    if isinstance(weight_name_filter, str) or not isinstance(weight_name_filter, (list, tuple, set)):
+        raise TypeError(
+            "weight_name_filter must be a callable or a list of weight names, "
+            f"got {type(weight_name_filter).__name__}"
+        )
+    names = set(weight_name_filter)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError("weight_name_filter: every entry must be a str weight name")
+    present = {n for n, _, _ in checkpoint_specs(safetensors_files(path))}
+    absent = sorted(names - present)
+    if absent:
+        raise ValueError(f"weight_name_filter: {absent[:3]} not in the checkpoint {str(path)!r}")
+    return names.__contains__
 
 
 def _check_format(load_format: str | None) -> None:
