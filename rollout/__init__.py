@@ -1,9 +1,10 @@
 """rollout: fast RL rollouts from Hugging Face causal LMs, sharing the GPU with the trainer."""
 
+from rollout.async_engine import AsyncEngine
 from rollout.engine import Engine
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.process import EngineProcess
 from rollout.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["AsyncEngine", "Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
