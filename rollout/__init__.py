@@ -1,10 +1,19 @@
 """rollout: fast RL rollouts from Hugging Face causal LMs, sharing the GPU with the trainer."""
 
+from rollout.async_engine import AsyncEngine
 from rollout.engine import Engine
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.process import EngineProcess
 from rollout.sampling import SamplingParams
 from rollout.scoring import ScoreOutput
 
-__all__ = ["Engine", "EngineProcess", "SamplingParams", "RequestOutput", "CompletionOutput", "ScoreOutput"]
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineProcess",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ScoreOutput",
+]
 __version__ = "0.1.0"

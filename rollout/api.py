@@ -10,6 +10,7 @@ ENGINE_METHODS = (
     "add_request",
     "step",
     "abort_request",
+    "retract_requests",
     "has_unfinished",
     "generate",
     "chat",

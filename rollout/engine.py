@@ -270,6 +270,8 @@ class Engine:
         requests a release or weight update aborted since the last step."""
         reported = [request_output(r, self.tokenizer) for r in self._aborted]
         self._aborted.clear()
+        if self.scheduler.has_work():  # retracted requests may wait across a release: never run on it
+            self._check_ready("step")
         batch = self.scheduler.schedule()
         if batch is None:
             return reported
@@ -280,7 +282,7 @@ class Engine:
             raise
         self._totals["steps"] += 1
         self._totals["decode_tokens" if batch.decode else "prefill_tokens"] += batch.num_tokens
-        touched = self.scheduler.postprocess(batch, out)
+        touched = self.scheduler.postprocess(batch, out, self.weights.version)
         return reported + [request_output(r, self.tokenizer) for r in touched if r.stream or r.finished]
 
     @serialised
@@ -292,6 +294,14 @@ class Engine:
             return None
         req.stream = False  # the abort reports the whole output
         return request_output(req, self.tokenizer)
+
+    @serialised
+    def retract_requests(self) -> int:
+        """Take every running request off the device: its pages are freed and it waits to resume from
+        its tokens, recomputing its KV (with the weights of then). Until the next step runs, weight
+        updates and memory releases are allowed with these requests in flight. Returns the sequences
+        retracted."""
+        return self.scheduler.retract_all()
 
     @serialised
     def has_unfinished(self) -> bool:
@@ -492,8 +502,9 @@ class Engine:
         self.memory.resume(check_tags(tags))
 
     def _drain(self, action: str, abort: bool) -> None:
-        """Refuse while requests are in flight (their KV would mix states), unless told to abort them."""
-        if not self.scheduler.requests:
+        """Refuse while requests are in flight (their KV would mix states), unless told to abort them.
+        Retracted requests hold no KV: they pass, and recompute their KV when they resume."""
+        if not self.scheduler.requests or self.scheduler.holds_no_kv():
             return
         if not abort:
             raise RuntimeError(

@@ -21,6 +21,8 @@ class CompletionOutput:
     finish_reason: FinishReason | None
     # the stop string or stop token that ended the sample, when one did
     stop_reason: str | int | None = None
+    # the weight version that sampled each token: a partial rollout resumed over an update mixes versions
+    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -43,6 +43,7 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
+        weight_versions=list(seq.weight_versions),
     )
 
 
@@ -66,6 +67,7 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         top_logprobs=seq.top_logprobs[start:end] if p.top_logprobs else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
+        weight_versions=seq.weight_versions[start:end],
     )
 
 

@@ -40,6 +40,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # set by retract_all until the next batch runs: the requests in flight hold no KV, so the engine
+        # may change weights or memory under them (they recompute their KV when they resume)
+        self.retracted = False
 
     def add(self, request: Request) -> None:
         """Queue a request; its first sample prefills the prompt, the others then share its pages."""
@@ -58,6 +61,7 @@ class Scheduler:
         while self.has_work():
             batch = self._prefill_batch() or self._decode_batch()
             if batch is not None:
+                self.retracted = False
                 return batch
             if not self.running:
                 raise RuntimeError("the KV pool cannot hold a single waiting request; raise max_total_tokens")
@@ -145,10 +149,27 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def retract_all(self) -> int:
+        """Preempt every running sequence (newest first, so the oldest resumes first): all pages of the
+        requests in flight are freed, and they resume from their tokens. Returns how many were running."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        self.num_preemptions -= count  # asked for, not forced by a full pool
+        self.retracted = True
+        return count
+
+    def holds_no_kv(self) -> bool:
+        """Whether the requests in flight were retracted and hold no pages since."""
+        return self.retracted and not self.running
+
     # -- after the model ran ----------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, out: StepOutput | None) -> list[Request]:
-        """Account for the computed chunks, append the sampled tokens, finish what stopped. Returns the
-        requests that gained a token (finished ones have left the scheduler)."""
+    def postprocess(
+        self, batch: ScheduledBatch, out: StepOutput | None, weight_version: int = 0
+    ) -> list[Request]:
+        """Account for the computed chunks, append the sampled tokens (each with the `weight_version`
+        that sampled it), finish what stopped. Returns the requests that gained a token (finished ones
+        have left the scheduler)."""
         touched: dict[Hashable, Request] = {}
         if out is not None and out.prompt:
             _add_prompt_logprobs(batch, out.prompt)
@@ -158,6 +179,7 @@ class Scheduler:
                 touched[seq.request_id] = self.requests[seq.request_id]
                 continue
             seq.token_ids.append(out.tokens[i])
+            seq.weight_versions.append(weight_version)
             if seq.params.logprobs:
                 seq.logprobs.append(out.logprobs[i])
             if seq.params.top_logprobs:

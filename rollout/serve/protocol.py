@@ -1,0 +1,139 @@
+"""The request bodies the server accepts: pydantic models that refuse unknown fields, so a typo gets a
+400 naming the field instead of being ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenIds = list[int]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CompletionRequest(Strict):
+    model: str | None = None
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None  # top-k alternatives per token; the sampled token's logprob always
+    echo: Literal[False] = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+
+class ChatRequest(Strict):
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+
+class SGLangSamplingParams(Strict):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = Field(default=None, alias="sampling_seed")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class GenerateRequest(Strict):
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: SGLangSamplingParams = SGLangSamplingParams()
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class AbortRequest(Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseRequest(Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class TagsRequest(Strict):
+    tags: list[str] | None = None
+
+
+class InitGroupRequest(Strict):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class DistributedUpdateRequest(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyGroupRequest(Strict):
+    group_name: str = "weight_update_group"
+
+
+class DiskUpdateRequest(Strict):
+    model_path: str
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class TensorUpdateRequest(Strict):
+    # base64 of a pickled list of (name, tensor), one entry per tensor-parallel rank
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None

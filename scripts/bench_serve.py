@@ -1,0 +1,145 @@
+"""Serving throughput (GPU): the HTTP server with CUDA graphs under 256 concurrent streaming clients,
+beside the same workload through Engine.generate in the same process; prints output tok/s and the ratio.
+
+The workload: 256 requests with random prompt tokens, input lengths 100-1024 and output lengths 100-512
+(fixed seed), temperature 0.6, ignore_eos. Each client streams its request over SSE (/generate with
+stream=true) from 127.0.0.1 and counts the tokens it receives. Engine.generate runs first, then the same
+engine is served (one KV pool, one set of graphs).
+
+    python scripts/bench_serve.py --model qwen2.5-0.5b          # random checkpoint, real shapes
+    python scripts/bench_serve.py --model path/to/hf/ckpt --clients 256
+    python scripts/bench_serve.py --model tiny --device cpu --requests 16 --clients 16   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import SHAPES, bench_model  # noqa: E402
+
+from rollout import AsyncEngine, Engine, SamplingParams  # noqa: E402
+
+
+def workload(vocab: int, seed: int, num: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(min(100, max_in), max_in))] for _ in range(num)
+    ]
+    return prompts, [rng.randint(min(100, max_out), max_out) for _ in range(num)]
+
+
+def params(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.6, max_new_tokens=n, ignore_eos=True)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int]) -> float:
+    engine.generate(input_ids=prompts[:4], sampling_params=[params(8)] * 4, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    done = engine.generate(input_ids=prompts, sampling_params=[params(n) for n in outs], use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in done) / seconds
+
+
+def serve(engine: Engine) -> tuple[str, object]:
+    import uvicorn
+
+    from rollout.serve import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(AsyncEngine.from_engine(engine), model_name="bench")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", backlog=4096))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server
+
+
+async def run_clients(url: str, prompts: list[list[int]], outs: list[int], clients: int) -> float:
+    import httpx
+
+    gate = asyncio.Semaphore(clients)
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+
+    async def one(ac: httpx.AsyncClient, ids: list[int], n: int) -> int:
+        sp = {"max_new_tokens": n, "temperature": 0.6, "ignore_eos": True}
+        async with (
+            gate,
+            ac.stream(
+                "POST", "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True}
+            ) as r,
+        ):
+            r.raise_for_status()
+            last = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    last = json.loads(line[6:])["meta_info"]["completion_tokens"]
+            return last
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
+        await one(ac, prompts[0], 8)  # warm-up
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
+        seconds = time.perf_counter() - t0
+    if counts != outs:
+        raise RuntimeError("a streamed request came back short")
+    return sum(counts) / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", default="qwen2.5-0.5b", help=f"a checkpoint folder, 'tiny', or one of {sorted(SHAPES)}"
+    )
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=256, help="concurrent streaming clients")
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cuda-graph", type=int, default=1)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if args.model == "tiny":
+        from rollout.toy import default_model_dir
+
+        folder = default_model_dir()
+    else:
+        folder = bench_model(args.model) if args.model in SHAPES else Path(args.model)
+    engine = Engine(folder, device=args.device, cuda_graph=bool(args.cuda_graph), max_running_requests=256)
+    vocab = engine.model_config.vocab_size
+    max_in = min(args.max_input, engine.max_model_len - args.max_output)
+    prompts, outs = workload(vocab, args.seed, args.requests, max_in, args.max_output)
+    direct = run_engine(engine, prompts, outs)
+    engine.flush_cache()  # the served run computes its prompts too
+    url, server = serve(engine)
+    served = asyncio.run(run_clients(url, prompts, outs, args.clients))
+    server.should_exit = True
+    result = {
+        "model": str(args.model),
+        "requests": args.requests,
+        "clients": args.clients,
+        "engine_generate_tok_s": round(direct, 1),
+        "server_stream_tok_s": round(served, 1),
+        "ratio": round(served / direct, 3),
+    }
+    print(json.dumps(result, indent=2))
+    print(f"server / Engine.generate output tok/s: {served:.0f} / {direct:.0f} = {served / direct:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
