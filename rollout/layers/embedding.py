@@ -29,6 +29,14 @@ class VocabEmbedding(nn.Module):
     def hf_shape(self, param: str, shard: None) -> tuple[int, ...]:
         return (self.vocab, self.hidden)
 
+    def copy_pair(
+        self, param: str, shard: None, full: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None when this rank's rows have padding to zero (load does that)."""
+        if self.start + self.local_vocab > self.vocab:
+            return None
+        return self.weight.data, full.narrow(0, self.start, self.local_vocab)
+
     def load(self, param: str, shard: None, full: torch.Tensor) -> None:
         n = max(0, min(self.local_vocab, self.vocab - self.start))
         self.weight.data[:n].copy_(full[self.start : self.start + n])

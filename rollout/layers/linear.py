@@ -55,10 +55,14 @@ class ColumnLinear(nn.Module):
         i = self.shard_names.index(shard)
         return (self.out_sizes[i], self.in_features) if param == "weight" else (self.out_sizes[i],)
 
-    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+    def copy_pair(self, param: str, shard: Shard, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination view, source view): this rank's rows of `full` go to the shard's rows."""
         _, start, n = self._rows(shard)
-        piece = full.narrow(0, self.tp.rank * n, n)
-        getattr(self, param).data.narrow(0, start, n).copy_(piece)
+        return getattr(self, param).data.narrow(0, start, n), full.narrow(0, self.tp.rank * n, n)
+
+    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+        dst, src = self.copy_pair(param, shard, full)
+        dst.copy_(src)
 
     def read(self, param: str, shard: Shard) -> torch.Tensor:
         _, start, n = self._rows(shard)
@@ -92,10 +96,14 @@ class RowLinear(nn.Module):
     def hf_shape(self, param: str, shard: Shard) -> tuple[int, ...]:
         return (self.out_features, self.in_features) if param == "weight" else (self.out_features,)
 
-    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+    def copy_pair(self, param: str, shard: Shard, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if param == "weight":
             full = full.narrow(1, self.tp.rank * self.local_in, self.local_in)
-        getattr(self, param).data.copy_(full)
+        return getattr(self, param).data, full
+
+    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+        dst, src = self.copy_pair(param, shard, full)
+        dst.copy_(src)
 
     def read(self, param: str, shard: Shard) -> torch.Tensor:
         data = getattr(self, param).data

@@ -33,6 +33,9 @@ class RMSNorm(nn.Module):
     def hf_shape(self, param: str, shard: None) -> tuple[int, ...]:
         return tuple(self.weight.shape)
 
+    def copy_pair(self, param: str, shard: None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight.data, full
+
     def load(self, param: str, shard: None, full: torch.Tensor) -> None:
         self.weight.data.copy_(full)
 
