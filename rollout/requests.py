@@ -41,13 +41,19 @@ def check_prompts(token_lists: list[list[int]], vocab_size: int) -> None:
     for i, tokens in enumerate(token_lists):
         if not tokens:
             raise ValueError(f"input_ids[{i}] is empty (a prompt needs at least one token)")
-        for t in tokens:
-            if not _is_int(t):
-                raise TypeError(f"input_ids[{i}] holds {t!r}, not an int token id")
-            if not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"input_ids[{i}] holds token id {t}, outside the vocabulary [0, {vocab_size})"
-                )
+        _check_token_ids(i, tokens, vocab_size)
+
+
+def _check_token_ids(i: int, tokens: list[Any], vocab_size: int) -> None:
+    # C-level passes (type set, min, max) instead of a Python loop per token; the loop runs only to
+    # name the offending entry
+    if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size:
+        return  # exactly int: no bool, no float
+    for t in tokens:
+        if not _is_int(t):
+            raise TypeError(f"input_ids[{i}] holds {t!r}, not an int token id")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"input_ids[{i}] holds token id {t}, outside the vocabulary [0, {vocab_size})")
 
 
 def normalize_params(params: Any, count: int) -> list[SamplingParams]:
