@@ -93,6 +93,28 @@ def test_published_config_facts(name, tmp_path):
     assert mc.qkv_bias == (mc.architecture == "Qwen2ForCausalLM") and not mc.o_bias and not mc.mlp_bias
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.3"])
+def test_default_rope_is_transformers_own(name, tmp_path):
+    """The plain-RoPE formula the engine writes out equals each model's transformers rotary module
+    (and its compute_default_rope_parameters where transformers has one)."""
+    mc = ModelConfig.from_path(write_config(tmp_path, cf.PUBLISHED[name]))
+    ours = assert_table_matches(
+        mc, [0, 1, 1000, 4097, mc.max_position_embeddings - 1], mc.max_position_embeddings
+    )
+    rotary = hf_rotary(mc.hf_config)
+    assert torch.equal(ours.inv_freq, rotary.inv_freq.float()) and rotary.attention_scaling == 1.0
+    if hasattr(rotary, "compute_default_rope_parameters"):  # transformers 5
+        inv, scale = rotary.compute_default_rope_parameters(mc.hf_config)
+        assert torch.equal(ours.inv_freq, inv.float()) and scale == 1.0
+
+
+def test_llama_default_rope_is_transformers_own(tmp_path):
+    cfg = dict(cf.PUBLISHED["llama-3.1-8b"], rope_scaling=None, head_dim=128)
+    mc = ModelConfig.from_path(write_config(tmp_path, cfg))
+    assert mc.rope_scaling is None
+    assert_table_matches(mc, [0, 3, 8192, 131071], mc.max_position_embeddings)
+
+
 def test_qwen25_yarn_at_the_real_setting(tmp_path):
     """Qwen2.5's long-context setting as its model card writes it (legacy `type` key): transformers'
     frequencies and attention factor, at positions up to 4x the native 32768."""

@@ -3,13 +3,13 @@
 The inverse frequencies and the cos/sin scale (yarn's and longrope's attention factor) come from
 transformers' own RoPE initialisation functions, fed the model's transformers config: every rope type
 and config field the installed transformers knows is then handled exactly as the trainer's model
-handles it. The table is fixed, so rope types whose frequencies transformers recomputes from the
-sequence length (dynamic, longrope) are accepted only over the positions where they do not change.
+handles it (only the plain "default" formula is written out, see default_rope). The table is fixed, so
+rope types whose frequencies transformers recomputes from the sequence length (dynamic, longrope) are
+accepted only over the positions where they do not change.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -18,20 +18,25 @@ from torch import nn
 from rollout.models.config import rope_parameters, rope_type
 
 
-def rope_init_function(hf_config: Any, kind: str):
+def rope_init_function(kind: str):
     """transformers' function computing (inv_freq, attention_factor) for this rope type."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind in ROPE_INIT_FUNCTIONS:  # transformers 4 lists "default" here too
         return ROPE_INIT_FUNCTIONS[kind]
-    if kind == "default":  # transformers 5: a static method of each model's rotary embedding class
-        # e.g. Qwen2Config (in .configuration_qwen2) -> Qwen2RotaryEmbedding (in .modeling_qwen2)
-        cls = type(hf_config)
-        module = importlib.import_module(cls.__module__.replace(".configuration_", ".modeling_"))
-        rotary = getattr(module, cls.__name__.removesuffix("Config") + "RotaryEmbedding")
-        return rotary.compute_default_rope_parameters
+    if kind == "default":
+        return default_rope
     known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
     raise ValueError(f"rope_type {kind!r} is not supported by this transformers (known: {known})")
+
+
+def default_rope(hf_config: Any, *_, **__) -> tuple[torch.Tensor, float]:
+    """transformers 5's `compute_default_rope_parameters`, the same static method in each supported
+    model's rotary class (tests/test_rope_config.py holds them equal): written out here because
+    importing a modeling file to reach it costs seconds at every engine start."""
+    base = rope_parameters(hf_config)["rope_theta"]
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 def fixed_up_to(hf_config: Any, params: dict[str, Any], kind: str) -> int | None:
@@ -54,7 +59,7 @@ def rope_frequencies(hf_config: Any, head_dim: int, max_positions: int) -> tuple
             f"positions, which a fixed table cannot follow; set max_model_len <= {limit} "
             f"(asked for {max_positions})"
         )
-    inv, scale = rope_init_function(hf_config, kind)(hf_config)
+    inv, scale = rope_init_function(kind)(hf_config)
     if inv.numel() != head_dim // 2:  # e.g. partial_rotary_factor < 1: rotation of part of each head
         rotated = 2 * inv.numel()
         raise ValueError(f"rope rotates {rotated} of {head_dim} head dims; only full rotation is supported")
@@ -68,7 +73,8 @@ def standalone_config(head_dim: int, theta: float, scaling: dict[str, Any] | Non
     return LlamaConfig(
         hidden_size=head_dim, num_attention_heads=1, num_key_value_heads=1, head_dim=head_dim,
         intermediate_size=1, num_hidden_layers=1, vocab_size=1, max_position_embeddings=max_positions,
-        bos_token_id=None, eos_token_id=None, rope_theta=theta, rope_scaling=dict(scaling) if scaling else None,
+        bos_token_id=None, eos_token_id=None, rope_theta=theta,
+        rope_scaling=dict(scaling) if scaling else None,
     )  # fmt: skip
 
 
