@@ -139,20 +139,22 @@ def build_random(
     cfg = dict(PUBLISHED[name], **overrides)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    config = transformers.AutoConfig.from_pretrained(str(out))
+    tmp = out.with_name(out.name + ".partial")  # complete folders only: an interrupted build is redone
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    config = transformers.AutoConfig.from_pretrained(str(tmp))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     with torch.device("meta"):  # no transformers init: filling 1B+ values ourselves is 4x faster
         model = transformers.AutoModelForCausalLM.from_config(config, **_dtype_kw(torch.bfloat16))
     model = model.to_empty(device=device)
     model.tie_weights()
     _fill_random(model, seed, config.initializer_range)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(tmp))
     if not transformers_format:
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     del model
     _free()
+    tmp.rename(out)
     return out
 
 
@@ -178,10 +180,9 @@ def _fill_random(model, seed: int, std: float, chunk: int = 1 << 24) -> None:
 # -- the two sides ----------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """One prompt's greedy completion on one backend: the tokens and the engine's logprob of each
-    token after the first (prompt tokens from a prefill, generated ones as sampled)."""
+    """One prompt's greedy completion on one backend: prompt + completion tokens and the engine's
+    logprob of each token after the first (prompt tokens from a prefill, generated ones as sampled)."""
 
-    prompt: list[int]
     tokens: list[int]
     logprobs: np.ndarray
 
@@ -224,7 +225,7 @@ def engine_runs(engine, prompts: list[list[int]], new_tokens: int) -> list[Run]:
         done = out.outputs[0]
         logits = engine_prompt_logits(engine, prompt, rows=range(len(prompt) - 1))
         lp = token_logprobs(logits, prompt[1:])
-        runs.append(Run(prompt, prompt + done.token_ids, np.concatenate([lp, np.array(done.logprobs)])))
+        runs.append(Run(prompt + done.token_ids, np.concatenate([lp, np.array(done.logprobs)])))
     return runs
 
 
