@@ -105,3 +105,74 @@ def test_add_rms_norm_rounds_the_sum_like_torch(dtype):
     # the interpreter's bf16 rounding may put the sum an ulp off; normalise the kernel's own sum there
     exact_sum = DEVICE == "cuda" or dtype != torch.bfloat16
     check(out, torch_rms_norm(x + residual if exact_sum else res, weight, 1e-6))
+
+
+# -- the widths of the models users train (scripts/check_fidelity.py: PUBLISHED), on few tokens ------------
+def _published():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import check_fidelity
+
+    return check_fidelity.PUBLISHED, check_fidelity.QWEN25_YARN
+
+
+PUBLISHED, QWEN25_YARN = _published()
+
+
+def _real_widths():
+    shapes = {
+        name: (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"],
+               c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]))
+        for name, c in PUBLISHED.items()
+    }  # fmt: skip
+    shapes["qwen2.5-14b"] = (5120, 13824, 40, 8, 128)  # the 5120 width (Qwen2.5-14B/32B, Qwen3-14B)
+    return shapes
+
+
+REAL = _real_widths()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(REAL))
+def test_norms_and_silu_mul_at_real_widths(name, dtype):
+    hidden, inter, hq, hkv, d = REAL[name]
+    torch.manual_seed(3)
+    weight = torch.empty(hidden, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
+    x, residual = (torch.randn(3, hidden, device=DEVICE).to(dtype) * 3 for _ in range(2))
+    check(fused.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6))
+    out, res = fused.add_rms_norm(x, residual, weight, 1e-5)
+    exact_sum = DEVICE == "cuda" or dtype != torch.bfloat16  # see test_add_rms_norm_rounds_the_sum_like_torch
+    check(out, torch_rms_norm(x + residual if exact_sum else res, weight, 1e-5))
+    q, _ = qkv_views(3, hq, hkv, d, dtype)  # Qwen3's per-head q_norm on a strided view
+    head_weight = torch.empty(d, device=DEVICE).uniform_(0.5, 1.5).to(dtype)
+    check(fused.rms_norm(q, head_weight, 1e-6), torch_rms_norm(q, head_weight, 1e-6))
+    gate_up = torch.randn(2, 2 * inter, device=DEVICE).to(dtype) * 4
+    gate, up = gate_up.split(inter, dim=-1)
+    check(fused.silu_mul(gate_up), F.silu(gate) * up)
+
+
+ROPE_MODELS = ["qwen2.5-0.5b", "qwen2.5-7b", "qwen3-8b", "llama-3.1-8b", "qwen2.5-7b+yarn"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ROPE_MODELS)
+def test_rope_at_real_heads_with_the_real_table(name, dtype):
+    """The model's own RoPE table (llama3, yarn with its cos/sin factor) at positions past the native
+    context, on the real head counts (GQA groups 7 and 4) and head dims."""
+    from rollout.models.config import ModelConfig
+
+    cfg = dict(PUBLISHED[name.removesuffix("+yarn")])
+    if name.endswith("+yarn"):
+        cfg["rope_scaling"] = QWEN25_YARN
+    mc = ModelConfig.from_dict(cfg)
+    rotary = Rotary(mc.head_dim, mc.max_position_embeddings, device=DEVICE, hf_config=mc.hf_config)
+    last = mc.max_position_embeddings - 1
+    positions = torch.tensor(sorted({0, 1, 8191, 8192, 32767, min(32768, last), last}), device=DEVICE)
+    cos_sin = rotary.cos_sin[positions]
+    torch.manual_seed(4)
+    q, k = qkv_views(len(positions), mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
+    gq, gk = fused.rope(q, k, cos_sin)
+    check(gq, rope(q, cos_sin))
+    check(gk, rope(k, cos_sin))

@@ -361,3 +361,32 @@ def test_page_offsets_beyond_int32_gpu():
     assert_close(out, ref, torch.bfloat16)
     out = paged_extend_attention(q, k_cache, v_cache, page_table, cu, seq_lens_t, d**-0.5, max_q_len=1)
     assert_close(out, ref, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The head counts and head dims of the models users train, on few tokens (interpreter-sized)
+# ---------------------------------------------------------------------------------------------------------
+
+# (model, Hq, Hkv, head_dim): GQA groups 7, 6, 2, 4 and 5 at head dims 64 and 128
+REAL_HEADS = [
+    ("qwen2.5-0.5b", 14, 2, 64),
+    ("qwen2.5-1.5b", 12, 2, 128),
+    ("qwen2.5-7b", 28, 4, 128),
+    ("qwen3-0.6b", 16, 8, 128),
+    ("qwen3-8b/llama-3.1-8b/mistral-7b", 32, 8, 128),
+    ("qwen2.5-14b", 40, 8, 128),
+]
+
+
+# float32 for every shape, bfloat16 for three (GQA 7, 7, 4): the interpreter runs a program per head
+REAL_CASES = [(c, torch.float32) for c in REAL_HEADS] + [(c, torch.bfloat16) for c in REAL_HEADS[::2]]
+REAL_IDS = [f"{c[0]}-{str(dtype).removeprefix('torch.')}" for c, dtype in REAL_CASES]
+
+
+@pytest.mark.parametrize("case, dtype", REAL_CASES, ids=REAL_IDS)
+def test_real_head_shapes(case, dtype):
+    _, hq, hkv, d = case
+    out, ref = run_decode([1, 40], hq, hkv, d, 16, dtype)  # one page and several
+    assert_close(out, ref, dtype)
+    out, ref = run_extend([3, 17], [40, 17], hq, hkv, d, 16, dtype)  # behind a cached prefix, and fresh
+    assert_close(out, ref, dtype)

@@ -1,11 +1,25 @@
-"""The model facts the engine needs, read from a Hugging Face config.json."""
+"""The model facts the engine needs, read from a Hugging Face config.json the way transformers reads it.
+
+The fields come from `transformers.AutoConfig`, so every default, legacy spelling (`rope_scaling` with
+`type`, `torch_dtype`) and new field (`rope_parameters`, `layer_types`, `dtype`) resolves exactly as in
+the trainer's model; only the facts transformers hard-codes per architecture (which projections carry
+a bias, Qwen3's per-head norms) are spelled out here, as in its modeling files.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rollout.models.registry import MODELS
+
+# Shape fields with no sensible default: a config.json without one is broken, not "default-sized"
+# (transformers would silently fill in e.g. hidden_size=4096 and the weights would not fit).
+REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")  # fmt: skip
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -20,7 +34,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None  # the rope parameters when the type is not "default"
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -30,40 +44,75 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # the transformers config itself: RoPE tables are computed from it by transformers' own functions
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
-        arch = archs[0]
-        num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        file = path / "config.json"
+        raw = _read_json(file)
+        check_fields(raw, str(file))
+        gen_file = path / "generation_config.json"
+        gen = _read_json(gen_file) if gen_file.exists() else {}
+        from transformers import AutoConfig
+
+        try:
+            hf = AutoConfig.from_pretrained(str(path))
+        except Exception as e:  # e.g. a model_type this transformers does not know
+            raise ValueError(f"{file}: transformers cannot read this config: {e}") from e
+        return cls.from_hf(hf, gen, source=str(file))
+
+    @classmethod
+    def from_dict(
+        cls, cfg: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config.json"
+    ) -> ModelConfig:
+        """The same as from_path for a config.json already read into a dict."""
+        from transformers import AutoConfig
+
+        check_fields(cfg, source)
+        return cls.from_hf(AutoConfig.for_model(**cfg), generation or {}, source=source)
+
+    @classmethod
+    def from_hf(cls, hf: Any, generation: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        arch = hf.architectures[0]
+        num_heads, num_kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act={act!r} is not supported (the MLP is SiLU-gated)")
+        params = rope_parameters(hf)
+        kind = rope_type(params)
+        # biases exactly where transformers' modeling files put them (Qwen2 hard-codes q/k/v biases;
+        # Mistral has none, whatever the file says)
+        attn_bias = bool(getattr(hf, "attention_bias", False)) and arch != "MistralForCausalLM"
         qwen2 = arch == "Qwen2ForCausalLM"
-        window = cfg.get("sliding_window")
-        if qwen2 and not cfg.get("use_sliding_window", False):
-            window = None
         return cls(
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or bool(cfg.get("attention_bias", False)),
-            o_bias=bool(cfg.get("attention_bias", False)) and not qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            num_kv_heads=num_kv_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=float(hf.rms_norm_eps),
+            rope_theta=float(params["rope_theta"]),
+            rope_scaling=None if kind == "default" else dict(params, rope_type=kind),
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            qkv_bias=qwen2 or attn_bias,
+            o_bias=attn_bias and not qwen2,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=window,
-            eos_token_ids=_eos_ids(cfg, generation or {}),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "") or None,
+            sliding_window=_sliding_window(hf, arch),
+            eos_token_ids=_eos_ids(hf.eos_token_id, generation),
+            torch_dtype=_dtype_name(hf),
+            hf_config=hf,
         )
 
     @property
@@ -75,35 +124,64 @@ class ModelConfig:
             "intermediate_size": self.intermediate_size,
         }
 
-    @classmethod
-    def from_path(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        cfg = json.loads((path / "config.json").read_text())
-        gen_file = path / "generation_config.json"
-        gen = json.loads(gen_file.read_text()) if gen_file.exists() else None
-        return cls.from_dict(cfg, gen)
+
+def check_fields(cfg: dict[str, Any], source: str) -> None:
+    """A clear error for a config.json the engine cannot run: missing shape fields, unknown models."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{source}: no 'architectures' entry; cannot tell which model to build")
+    if archs[0] not in MODELS:
+        raise ValueError(f"{source}: unsupported architecture {archs[0]!r}; supported: {sorted(MODELS)}")
+    missing = [k for k in REQUIRED if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: missing required field(s) {missing} for {archs[0]}")
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 moved rope settings into `rope_parameters`; older files use rope_theta/rope_scaling
-    return cfg.get("rope_parameters") or {}
+def rope_parameters(hf: Any) -> dict[str, Any]:
+    """The RoPE settings (with rope_theta) as this transformers version keeps them."""
+    params = getattr(hf, "rope_parameters", None)  # transformers 5 (old spellings already folded in)
+    if params is None:  # transformers 4: rope_theta beside an optional rope_scaling
+        params = dict(getattr(hf, "rope_scaling", None) or {}, rope_theta=getattr(hf, "rope_theta", 10000.0))
+    return params
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    return float(_rope_params(cfg).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+def rope_type(params: dict[str, Any]) -> str:
+    return params.get("rope_type") or params.get("type") or "default"
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or _rope_params(cfg)
-    kind = scaling.get("rope_type") or scaling.get("type") if scaling else None
-    if kind in (None, "default"):
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise ValueError(f"{file}: not found")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _sliding_window(hf: Any, arch: str) -> int | None:
+    """The attention window if any layer uses one (transformers' rule per architecture)."""
+    if arch == "LlamaForCausalLM":
+        return None  # Llama's attention has no window, whatever extra field a file carries
+    if arch in QWEN and not getattr(hf, "use_sliding_window", False):
+        return None  # Qwen files carry a sliding_window that applies only when switched on
+    types = getattr(hf, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
         return None
-    return dict(scaling, rope_type=kind)
+    return getattr(hf, "sliding_window", None)
 
 
-def _eos_ids(cfg: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+def _dtype_name(hf: Any) -> str | None:
+    # transformers 5 reads `dtype` (and warns on `torch_dtype`); transformers 4 only has torch_dtype
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype else None
+
+
+def _eos_ids(config_eos: Any, gen: dict[str, Any]) -> tuple[int, ...]:
     ids: list[int] = []
-    for src in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+    for src in (gen.get("eos_token_id"), config_eos):
         for i in src if isinstance(src, list) else [src]:
             if isinstance(i, int) and i not in ids:
                 ids.append(i)

@@ -121,7 +121,7 @@ class Backbone(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self.rotary = Rotary(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device=device)
+        self.rotary = Rotary(cfg.head_dim, max_positions, device=device, hf_config=cfg.hf_config)
 
 
 class LlamaForCausalLM(nn.Module):
