@@ -267,7 +267,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden.float()).squeeze(-1)
+        return self.proj(hidden.float()).float().squeeze(-1)  # float32 under autocast too
 
 
 def policy_logprobs_and_values(
