@@ -8,6 +8,12 @@ mean reward climbs from about 0.02 to about 0.9 in 40 steps, some 10 seconds on 
 
     python3 examples/grpo.py                                   # tiny model, on cuda when present
     python3 examples/grpo.py --model path/to/ckpt --task add --steps 200 --batch 32 --n 8 --wandb
+
+At real shapes (e.g. `--model $(python3 scripts/models.py qwen2.5-0.5b)`, a random checkpoint with the
+151,936-token vocabulary) the trainer's memory is bounded by `--micro-batch-tokens` (gradients accumulate
+over micro-batches; the optimizer still steps --minibatches times a pass), `--gradient-checkpointing` and
+`--autocast bf16`; logits are never materialised for a whole batch (see docs/rl.md). The run ends with
+its per-step breakdown as a docs/benchmarks.md table row.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from about 0.01 to 0.4-0.7 in 40 steps (noisier than GRPO), some 10 seconds on a
 
     python3 examples/ppo.py                                    # tiny model, on cuda when present
     python3 examples/ppo.py --model path/to/ckpt --task add --steps 200 --batch 64 --n 2 --wandb
+
+It takes grpo.py's flags for real shapes: --micro-batch-tokens, --gradient-checkpointing, --autocast bf16.
 """
 
 from __future__ import annotations
