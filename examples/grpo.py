@@ -8,6 +8,12 @@ mean reward climbs from about 0.02 to about 0.9 in 40 steps, some 10 seconds on 
 
     python3 examples/grpo.py                                   # tiny model, on cuda when present
     python3 examples/grpo.py --model path/to/ckpt --task add --steps 200 --batch 32 --n 8 --wandb
+
+At real shapes (e.g. `--model $(python3 scripts/models.py qwen2.5-0.5b)`, a random checkpoint with the
+151,936-token vocabulary) the trainer's memory is bounded by `--micro-batch-tokens` (gradients accumulate
+over micro-batches; the optimizer still steps --minibatches times a pass), `--gradient-checkpointing` and
+`--autocast bf16`; logits are never materialised for a whole batch (see docs/rl.md). The run ends with
+its per-step breakdown as a docs/benchmarks.md table row.
 """
 
 from __future__ import annotations
@@ -17,17 +23,19 @@ from dataclasses import dataclass
 import torch
 
 from integrations.cli import loop_parser, run_example
-from integrations.loop import ColocatedLoop
+from integrations.loop import ColocatedLoop, check_loop_config
 from integrations.metrics import PhaseTimer
 from integrations.rl import (
+    LossStats,
     RolloutBatch,
     check_groups,
     clipped_policy_loss,
     group_advantages,
     logprob_gap,
+    micro_batches,
     policy_logprobs,
+    trainer_autocast,
 )
-from integrations.tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,12 @@ class Config:
     clip_eps: float = 0.2
     epochs: int = 1  # passes over each step's rollouts
     minibatches: int = 2  # optimizer steps per pass; batch * n must split evenly into them
+    micro_batch_tokens: int | None = None  # padded tokens per forward (gradients accumulate); None: minibatch
+    gradient_checkpointing: bool = False  # recompute each layer in the backward
+    autocast: str = "none"  # the trainer's forward: none (float32) or bf16 (weights stay float32)
     seed: int = 0
     device: str | None = None  # None: cuda when available, else cpu
-    dtype: str = "auto"  # the engine's: auto is bfloat16 on a GPU, float32 on a CPU (the trainer: float32)
+    dtype: str = "auto"  # the engine's: auto is bfloat16 on a GPU, float32 on a CPU
     mem_fraction: float = 0.3  # GPU share for the engine's weights + KV cache (the trainer uses the rest)
     memory_saver: bool | None = None  # free GPU memory on release; None: on for CUDA with torch_memory_saver
     wandb: bool = False
@@ -53,21 +64,43 @@ class Config:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
-        for name in ("steps", "batch", "max_new_tokens", "epochs", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n < 2:
             raise ValueError(f"n must be >= 2: GRPO compares the samples of one prompt, got n={self.n}")
-        if (self.batch * self.n) % self.minibatches:
-            raise ValueError(
-                f"batch * n = {self.batch * self.n} samples do not split evenly into "
-                f"minibatches={self.minibatches}"
-            )
-        for name in ("lr", "temperature", "clip_eps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_loop_config(self)
+
+
+def minibatch_backward(
+    policy: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, cfg: Config
+) -> tuple[float, LossStats]:
+    """Backward of the clipped loss of the minibatch `rows`, in micro-batches of at most
+    cfg.micro_batch_tokens: each averages over the whole minibatch's tokens, so the accumulated
+    gradient is the unsplit minibatch's. Returns the minibatch's loss and stats."""
+    tokens = batch.loss_mask[rows].sum().item()
+    loss_sum, stats = 0.0, LossStats(0.0, 0.0, 0.0)
+    for micro in micro_batches(batch, rows, cfg.micro_batch_tokens):
+        mb = batch.rows(micro).trimmed()
+        with trainer_autocast(cfg.autocast, mb.input_ids.device):
+            logprobs = policy_logprobs(policy, mb, cfg.temperature)
+        loss, part = clipped_policy_loss(
+            logprobs, mb.old_logprobs, advantages[micro], mb.loss_mask, cfg.clip_eps, num_tokens=tokens
+        )
+        loss.backward()
+        loss_sum, stats = loss_sum + loss.item(), stats + part
+    return loss_sum, stats
+
+
+@torch.no_grad()
+def trainer_logprobs(policy: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+    """The trainer's logprobs of the whole batch, for the rollout-trainer gap: in micro-batches, or
+    minibatches without a token budget."""
+    out = torch.zeros_like(batch.old_logprobs)
+    rows = out.shape[0]
+    budget = cfg.micro_batch_tokens or rows // cfg.minibatches * out.shape[1]
+    for micro in micro_batches(batch, torch.arange(rows, device=out.device), budget):
+        mb = batch.rows(micro).trimmed()
+        with trainer_autocast(cfg.autocast, out.device):
+            out[micro, : mb.input_ids.shape[1]] = policy_logprobs(policy, mb, cfg.temperature)
+    return out
 
 
 def grpo_update(
@@ -82,25 +115,17 @@ def grpo_update(
     check_groups(len(rewards), cfg.n)
     advantages = group_advantages(torch.tensor(rewards), cfg.n).to(batch.input_ids.device)
     size = len(rewards) // cfg.minibatches
-    with torch.no_grad():  # the policy still holds the weights the engine sampled with
-        chunks = torch.arange(len(rewards), device=batch.input_ids.device).split(size)
-        trainer_lp = torch.cat([policy_logprobs(policy, batch.rows(c), cfg.temperature) for c in chunks])
-    gap_mean, gap_max = logprob_gap(trainer_lp, batch.old_logprobs, batch.loss_mask)
+    # the policy still holds the weights the engine sampled with
+    gap_mean, gap_max = logprob_gap(trainer_logprobs(policy, batch, cfg), batch.old_logprobs, batch.loss_mask)
     losses, clip_fracs, ratio_max = [], [], 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(len(rewards), generator=shuffle).to(batch.input_ids.device)
         for start in range(0, len(rewards), size):
-            rows = order[start : start + size]
-            mb = batch.rows(rows)
-            logprobs = policy_logprobs(policy, mb, cfg.temperature)
-            loss, stats = clipped_policy_loss(
-                logprobs, mb.old_logprobs, advantages[rows], mb.loss_mask, cfg.clip_eps
-            )
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, stats = minibatch_backward(policy, batch, order[start : start + size], advantages, cfg)
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
-            losses.append(loss.item())
+            losses.append(loss)
             clip_fracs.append(stats.clip_fraction)
             ratio_max = max(ratio_max, stats.ratio_max)
     return {
@@ -122,11 +147,10 @@ def train(cfg: Config) -> list[dict[str, float]]:
         for step in range(cfg.steps):
             timer = PhaseTimer(loop.device)
             ro = loop.rollouts(cfg.batch, timer)
-            with timer("train"):
+            with loop.train_phase(timer):
                 metrics = grpo_update(loop.policy, opt, ro.batch, ro.rewards, cfg, shuffle)
             loop.finish_step(step, metrics, ro, timer)
-        if loop.logger.run_dir:
-            print(f"wandb run written to {loop.logger.run_dir}")
+    loop.report()
     return loop.logger.history
 
 

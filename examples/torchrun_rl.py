@@ -23,7 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from integrations import sync_weights
-from integrations.rl import clipped_policy_loss, group_advantages, logprob_gap, policy_logprobs, rollout_batch
+from integrations.rl import (
+    TokenLogprobs,
+    clipped_policy_loss,
+    group_advantages,
+    logprob_gap,
+    policy_logprobs,
+    rollout_batch,
+)
 from integrations.torchrun import DataParallelRollout, build_engine, init_distributed
 from rollout import SamplingParams
 from rollout.toy import build_checkpoint
@@ -53,19 +60,22 @@ def checkpoint(path: str | None) -> str:
     return box[0]
 
 
-def make_trainer(path: str, device: torch.device) -> nn.Module:
-    """The transformers model to train, FSDP2-sharded on GPUs, DDP-wrapped on a CPU."""
+def make_trainer(path: str, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """(the transformers policy, the module to train): TokenLogprobs(policy), FSDP2-sharded on GPUs,
+    DDP-wrapped on a CPU. The wrapper's forward runs the chunked logprob head, so DDP's gradient hooks
+    and FSDP2's unsharding see it; the weight sync reads the policy's own names."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    trainer = TokenLogprobs(policy)
     if device.type == "cuda":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in policy.model.layers:
             fully_shard(layer)
-        fully_shard(model)
-        return model
-    return nn.parallel.DistributedDataParallel(model)
+        fully_shard(trainer)
+        return policy, trainer
+    return policy, nn.parallel.DistributedDataParallel(trainer)
 
 
 def reward(tokens: list[int], tokenizer) -> float:
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     path = checkpoint(args.model)
     engine = build_engine(path, tp_size=args.tp_size, max_total_tokens=8192, dtype=args.dtype)
     rollout = DataParallelRollout(engine, seed=1)
-    trainer = make_trainer(path, env.device)
+    policy, trainer = make_trainer(path, env.device)
     opt = torch.optim.AdamW(trainer.parameters(), lr=args.lr)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, logprobs=True)
     rng = random.Random(0)  # the same global batch on every rank
@@ -117,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         loss.backward()
         opt.step()
         # every rank pushes full tensors (FSDP2 shards gathered); each engine rank keeps its own shard
-        stats = sync_weights(trainer, engine)
+        stats = sync_weights(policy, engine)
         say(f"step {step}: loss {loss.item():+.4f}, synced {stats.tensors} tensors into the engines")
     return gaps
 

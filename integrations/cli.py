@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from integrations.metrics import summary
+from integrations.rl import AUTOCAST
 from integrations.tasks import TASKS
 
 
@@ -16,7 +17,12 @@ def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
     """An argument parser with the flags every loop takes; `defaults` is the example's Config()."""
     d = defaults
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in tiny model)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint folder (default: the built-in tiny model); one without tokenizer files, such "
+        "as the random real-shaped ones of scripts/models.py, gets the built-in character tokenizer",
+    )
     ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
@@ -27,6 +33,25 @@ def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
     ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
     ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=d.micro_batch_tokens,
+        help="padded tokens per trainer forward; gradients accumulate, so the optimizer steps stay "
+        "--minibatches (default: one forward per minibatch)",
+    )
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=d.gradient_checkpointing,
+        help="recompute each decoder layer in the backward (less activation memory, a slower update)",
+    )
+    ap.add_argument(
+        "--autocast",
+        default=d.autocast,
+        choices=sorted(AUTOCAST),
+        help="the trainer's forward: none (float32) or bf16 autocast; its weights and optimizer stay float32",
+    )
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     ap.add_argument("--dtype", default=d.dtype, help="engine dtype: auto, float32, bfloat16, float16")

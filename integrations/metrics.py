@@ -81,12 +81,15 @@ CONSOLE = [
     ("time/release", "rel {:.2f}s"),
     ("time/resume", "res {:.2f}s"),
     ("memory/released_gb", "freed {:.2f}GB"),
+    ("memory/train_peak_gb", "train peak {:.2f}GB"),
 ]
 
 
-def console_line(step: int, metrics: dict[str, float]) -> str:
+def console_line(step: int, metrics: dict[str, float], formats: dict[str, str] | None = None) -> str:
+    """One step on one line; `formats` overrides CONSOLE's format of some keys (e.g. to name dtypes)."""
+    formats = formats or {}
     parts = [f"step {step}"]
-    parts += [fmt.format(metrics[key]) for key, fmt in CONSOLE if key in metrics]
+    parts += [formats.get(key, fmt).format(metrics[key]) for key, fmt in CONSOLE if key in metrics]
     return " | ".join(parts)
 
 
@@ -96,6 +99,35 @@ def summary(history: list[dict[str, float]], key: str = "reward/mean") -> str:
     first = sum(h[key] for h in history[:k]) / k
     last = sum(h[key] for h in history[-k:]) / k
     return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f}"
+
+
+# the per-step breakdown of a run, as a row of docs/benchmarks.md: (metric, column, format)
+BENCH_COLUMNS = [
+    ("length/mean", "mean len", "{:.0f}"),
+    ("throughput/gen_tokens_per_s", "gen tok/s", "{:.0f}"),
+    ("time/generate", "generate s", "{:.3f}"),
+    ("time/release", "release s", "{:.3f}"),
+    ("time/train", "train s", "{:.3f}"),
+    ("time/resume", "resume s", "{:.3f}"),
+    ("time/sync", "sync s", "{:.3f}"),
+    ("memory/train_peak_gb", "train peak GB", "{:.2f}"),
+    ("logprob_gap/mean", "gap mean", "{:.1e}"),
+    ("logprob_gap/max", "gap max", "{:.1e}"),
+]
+
+
+def benchmark_table(labels: dict[str, str], history: list[dict[str, float]], warmup: int = 1) -> str:
+    """A markdown header and one row: `labels` (model, shapes, dtypes...), then each metric's mean over
+    the steps after the first `warmup` (the first step pays one-time costs: CUDA graphs, allocator)."""
+    steps = history[warmup:] or history
+    cells = list(labels.values())
+    for key, _, fmt in BENCH_COLUMNS:
+        values = [h[key] for h in steps if key in h]
+        cells.append(fmt.format(sum(values) / len(values)) if values else "-")
+    header = [*labels, *(column for _, column, _ in BENCH_COLUMNS)]
+    rows = [header, ["---"] * len(header), cells]
+    note = f"means over steps {steps[0]['step']:.0f}-{steps[-1]['step']:.0f}" if "step" in steps[0] else ""
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + (f"\n({note})" if note else "")
 
 
 class MetricsLogger:
@@ -115,8 +147,10 @@ class MetricsLogger:
         wandb_dir: str | None = None,
         console: bool = True,
         progress: bool = True,
+        formats: dict[str, str] | None = None,
     ):
         self.console = console
+        self.formats = formats or {}
         self.history: list[dict[str, float]] = []
         self.run = None
         if use_wandb:
@@ -139,7 +173,7 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log(metrics, step=step)
         if self.console:
-            self.bar.write(console_line(step, metrics))
+            self.bar.write(console_line(step, metrics, self.formats))
         self.bar.set_postfix_str(f"reward {metrics.get('reward/mean', float('nan')):.3f}", refresh=False)
         self.bar.update(1)
 

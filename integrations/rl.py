@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from integrations.weight_sync import SyncStats, sync_weights
+from integrations.weight_sync import SyncStats, sync_weights, unwrap_model
 from rollout.outputs import RequestOutput
 
 
@@ -45,6 +46,38 @@ class RolloutBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.completion_lens.sum())
+
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the padding columns none of them reaches (right padding: a row's
+        results do not depend on the columns after it)."""
+        width = int((self.prompt_lens + self.completion_lens).max())
+        return RolloutBatch(**{f.name: _trim(getattr(self, f.name), width) for f in fields(self)})
+
+
+def _trim(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t[:, :width] if t.dim() == 2 else t
+
+
+def micro_batches(batch: RolloutBatch, rows: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor]:
+    """Split `rows` of `batch` into groups whose padded size (rows x longest row) stays within
+    `max_tokens`, for gradient accumulation; None: one group. A row longer than the budget goes alone.
+
+    Rows are grouped by length, so little padding is computed.
+    """
+    if max_tokens is None:
+        return [rows]
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = (batch.prompt_lens + batch.completion_lens)[rows]
+    groups: list[list[int]] = []
+    width = 0
+    for i in lengths.argsort(descending=True).tolist():
+        if groups and (len(groups[-1]) + 1) * width <= max_tokens:
+            groups[-1].append(i)  # sorted longest first: this row does not widen the group
+        else:
+            groups.append([i])
+            width = int(lengths[i])
+    return [rows[torch.tensor(g, device=rows.device)] for g in groups]
 
 
 def rollout_batch(outputs: Sequence[RequestOutput], pad_id: int = 0) -> RolloutBatch:
@@ -106,10 +139,122 @@ def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     return F.pad(per_position[:, :-1], (1, 0))
 
 
-def policy_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
-    """A Hugging Face causal LM's logprobs of the batch's tokens, float32 [B, T]."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return token_logprobs(logits, batch.input_ids, temperature)
+# The trainer never holds a batch's [B, T, V] logits (151,936 a token for Qwen: 0.6 MB in float32): it
+# projects the final hidden states of the completion positions only, a chunk of tokens at a time, and the
+# backward recomputes each chunk's logits, so memory follows the chunk, not the batch.
+LOGITS_CHUNK_BYTES = 256 << 20  # float32 logits of one chunk
+
+
+def chunk_size(vocab_size: int, chunk_tokens: int | None = None) -> int:
+    """Tokens a chunk projects at once: `chunk_tokens`, or as many as fit LOGITS_CHUNK_BYTES."""
+    if chunk_tokens is not None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        return chunk_tokens
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def _chunk_logprobs(hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, temperature: float):
+    logits = head(hidden).float()  # float32 math inside the chunk, whatever the matmul's dtype
+    if temperature > 0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+def sampled_logprobs(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """log_softmax(head(hidden) / temperature)[targets] for hidden [N, H], targets [N] -> float32 [N].
+
+    Chunks of `chunk_size` tokens; with grad enabled each chunk is checkpointed, so neither pass keeps
+    more than one chunk's logits (the backward recomputes them).
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    size = chunk_size(head.out_features, chunk_tokens)
+    parts = []
+    for h, t in zip(hidden.split(size), targets.split(size)):
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logprobs, h, head, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, head, t, temperature))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+# configs whose logits are not lm_head(hidden): the chunked head would silently differ from forward()
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
+    """(decoder, lm_head) of a Hugging Face causal LM, to compute hidden states and logits apart."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) or unwrap_model(model) is not model or not hasattr(model, "get_decoder"):
+        raise TypeError(
+            f"{type(model).__name__} is not a plain transformers causal LM: to train through DDP or FSDP2, "
+            "wrap TokenLogprobs(policy) (whose forward runs the chunked head), not the policy"
+        )
+    for name in LOGIT_TRANSFORMS:
+        if getattr(model.config, name, None) not in (None, 1, 1.0):
+            raise NotImplementedError(f"{type(model).__name__} transforms its logits ({name})")
+    return model.get_decoder(), model.get_output_embeddings()
+
+
+def _logprobs_and_hidden(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [B, T] of the completion tokens, 0 elsewhere; final hidden states [B, T, H])."""
+    decoder, head = causal_lm_parts(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    sampled = loss_mask[:, 1:].bool()  # position t predicts token t + 1: only completion tokens count
+    picked = sampled_logprobs(
+        hidden[:, :-1][sampled], head, input_ids[:, 1:][sampled], temperature, chunk_tokens
+    )
+    logprobs = torch.zeros(sampled.shape, device=hidden.device).masked_scatter(sampled, picked)
+    return F.pad(logprobs, (1, 0)), hidden
+
+
+def policy_logprobs(
+    model: nn.Module, batch: RolloutBatch, temperature: float = 1.0, *, chunk_tokens: int | None = None
+) -> torch.Tensor:
+    """A Hugging Face causal LM's logprobs of the batch's completion tokens, float32 [B, T], 0 elsewhere.
+
+    Equal to `token_logprobs(model(...).logits, ...)` on the completion tokens, without the full logits.
+    `model` may also be a TokenLogprobs, wrapped by DDP or FSDP2 or not.
+    """
+    args = (batch.input_ids, batch.attention_mask, batch.loss_mask, temperature)
+    if isinstance(unwrap_model(model), TokenLogprobs):
+        return model(*args)  # through the wrapper's forward
+    return _logprobs_and_hidden(model, *args, chunk_tokens)[0]
+
+
+class TokenLogprobs(nn.Module):
+    """`policy_logprobs` as a module, for wrappers whose forward has to run (DDP's gradient hooks,
+    FSDP2's unsharding): wrap this, not the policy, and pass the wrapper to `policy_logprobs`."""
+
+    def __init__(self, policy: nn.Module, chunk_tokens: int | None = None):
+        super().__init__()
+        self.policy = policy
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        args = (input_ids, attention_mask, loss_mask, temperature, self.chunk_tokens)
+        return _logprobs_and_hidden(self.policy, *args)[0]
 
 
 class ValueHead(nn.Module):
@@ -122,17 +267,22 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(hidden.float()).squeeze(-1)
+        return self.proj(hidden.float()).float().squeeze(-1)  # float32 under autocast too
 
 
 def policy_logprobs_and_values(
-    model: nn.Module, value_head: ValueHead, batch: RolloutBatch, temperature: float = 1.0
+    model: nn.Module,
+    value_head: ValueHead,
+    batch: RolloutBatch,
+    temperature: float = 1.0,
+    *,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass -> (logprobs, values), both float32 [B, T] aligned with the tokens: values[t] is
     the value of the state that sampled token t (read at position t - 1, like its logprob)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
-    values = shift_to_tokens(value_head(out.hidden_states[-1]))
-    return token_logprobs(out.logits, batch.input_ids, temperature), values
+    args = (batch.input_ids, batch.attention_mask, batch.loss_mask, temperature, chunk_tokens)
+    logprobs, hidden = _logprobs_and_hidden(model, *args)
+    return logprobs, shift_to_tokens(value_head(hidden))
 
 
 def logprob_gap(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -210,8 +360,9 @@ def gae(
     return adv, (adv + values) * mask
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None) -> torch.Tensor:
+    """Sum of x over the mask / num_tokens (default: the mask's count)."""
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -224,9 +375,18 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> tor
 # -- losses -----------------------------------------------------------------------------------------
 @dataclass
 class LossStats:
+    """Over the loss's `num_tokens`: so the stats of micro-batches add up to their minibatch's."""
+
     clip_fraction: float  # share of sampled tokens whose ratio was clipped
     ratio_mean: float
     ratio_max: float
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(
+            self.clip_fraction + other.clip_fraction,
+            self.ratio_mean + other.ratio_mean,
+            max(self.ratio_max, other.ratio_max),
+        )
 
 
 def clipped_policy_loss(
@@ -236,11 +396,14 @@ def clipped_policy_loss(
     loss_mask: torch.Tensor,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """PPO's clipped surrogate, averaged over all sampled tokens of the batch.
 
     logprobs: the trainer's [B, T] (with grad); old_logprobs: the engine's, from the rollout;
-    advantages: [B] (one per sequence, GRPO) or [B, T] (per token, PPO).
+    advantages: [B] (one per sequence, GRPO) or [B, T] (per token, PPO). `num_tokens`: the count to
+    average over, by default the mask's; a micro-batch passes its minibatch's, so that the micro-batches'
+    losses (and gradients) add up to the minibatch's.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
@@ -249,13 +412,12 @@ def clipped_policy_loss(
     ratio = torch.exp((logprobs - old_logprobs) * mask)  # 1 off the mask, so padding cannot overflow
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip_eps, 1 + high) * advantages
-    loss = masked_mean(-torch.minimum(unclipped, clipped), mask)
+    loss = masked_mean(-torch.minimum(unclipped, clipped), mask, num_tokens)
     with torch.no_grad():
-        was_clipped = (clipped < unclipped).float()
         on = mask.bool()
         stats = LossStats(
-            clip_fraction=masked_mean(was_clipped, mask).item(),
-            ratio_mean=ratio[on].mean().item() if on.any() else 1.0,
+            clip_fraction=masked_mean((clipped < unclipped).float(), mask, num_tokens).item(),
+            ratio_mean=masked_mean(ratio, mask, num_tokens).item(),
             ratio_max=ratio[on].max().item() if on.any() else 1.0,
         )
     return loss, stats
@@ -267,10 +429,28 @@ def clipped_value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip: float = 0.2,
+    num_tokens: float | None = None,
 ) -> torch.Tensor:
-    """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped kept within `clip` of the rollout's values."""
+    """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped kept within `clip` of the rollout's values;
+    averaged over `num_tokens` as in `clipped_policy_loss`."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask.float())
+    worst = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(worst, mask.float(), num_tokens)
+
+
+# -- the trainer's precision -------------------------------------------------------------------------
+AUTOCAST = {
+    "none": None,
+    "bf16": torch.bfloat16,
+}  # --autocast: the forward's matmul dtype (weights stay fp32)
+
+
+def trainer_autocast(mode: str, device: torch.device | str) -> AbstractContextManager[Any]:
+    """The context the trainer's forward runs in: bf16 autocast, or plain float32 ("none")."""
+    if mode not in AUTOCAST:
+        raise ValueError(f"autocast must be one of {sorted(AUTOCAST)}, got {mode!r}")
+    dtype = AUTOCAST[mode]
+    return nullcontext() if dtype is None else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 # -- the engine around a training step ---------------------------------------------------------
