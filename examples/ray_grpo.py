@@ -24,16 +24,19 @@ import ray
 import torch
 
 from integrations.cli import loop_parser, run_example
+from integrations.loop import check_loop_config
 from integrations.metrics import MetricsLogger, PhaseTimer, rollout_metrics
 from integrations.ray import RolloutGroup
 from integrations.rl import (
     clipped_policy_loss,
     group_advantages,
     logprob_gap,
+    micro_batches,
     policy_logprobs,
     rollout_batch,
+    trainer_autocast,
 )
-from integrations.tasks import TASKS, Task, char_tokenizer
+from integrations.tasks import Task, char_tokenizer
 from rollout import SamplingParams
 from rollout.outputs import RequestOutput
 from rollout.toy import default_model_dir
@@ -54,6 +57,9 @@ class Config:
     clip_eps: float = 0.2
     epochs: int = 1
     minibatches: int = 2  # optimizer steps per pass; batch * n must split evenly into them
+    micro_batch_tokens: int | None = None  # padded tokens per forward (gradients accumulate); None: minibatch
+    gradient_checkpointing: bool = False  # recompute each layer in the backward
+    autocast: str = "none"  # the trainer's forward: none (float32) or bf16 (weights stay float32)
     seed: int = 0
     device: str | None = None  # the trainer's: None is cuda when it has a GPU, else cpu
     dtype: str = "auto"  # the engines': bfloat16 on a GPU, float32 on a CPU
@@ -70,12 +76,9 @@ class Config:
     dry_run: bool = False  # two small steps
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {sorted(TASKS)}, got {self.task!r}")
         if self.n < 2:
             raise ValueError(f"n must be >= 2: GRPO compares the samples of one prompt, got n={self.n}")
-        if (self.batch * self.n) % self.minibatches:
-            raise ValueError(f"batch * n = {self.batch * self.n} does not split into {self.minibatches}")
+        check_loop_config(self)
 
     def effective(self) -> Config:
         """The run's settings: --dry-run shrinks it; engines sharing the trainer's one GPU use gloo and
@@ -104,6 +107,8 @@ class Trainer:
         self.policy = (
             AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
         )
+        if cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.shuffle = torch.Generator().manual_seed(cfg.seed)
 
@@ -134,17 +139,24 @@ class Trainer:
         return [chunk for order in orders for chunk in order.split(size)]
 
     def _minibatch(self, batch: Any, advantages: torch.Tensor, rows: torch.Tensor) -> float:
-        rows = rows.to(self.device)
-        mb = batch.rows(rows)
-        logprobs = policy_logprobs(self.policy, mb, self.cfg.temperature)
-        loss, _ = clipped_policy_loss(
-            logprobs, mb.old_logprobs, advantages[rows], mb.loss_mask, self.cfg.clip_eps
-        )
+        """One optimizer step on `rows`, accumulated over micro-batches of at most micro_batch_tokens
+        (each loss over the whole minibatch's tokens, so the gradient is the unsplit minibatch's)."""
+        cfg, rows = self.cfg, rows.to(self.device)
+        tokens = batch.loss_mask[rows].sum().item()
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for micro in micro_batches(batch, rows, cfg.micro_batch_tokens):
+            mb = batch.rows(micro).trimmed()
+            with trainer_autocast(cfg.autocast, self.device):
+                logprobs = policy_logprobs(self.policy, mb, cfg.temperature)
+            loss, _ = clipped_policy_loss(
+                logprobs, mb.old_logprobs, advantages[micro], mb.loss_mask, cfg.clip_eps, num_tokens=tokens
+            )
+            loss.backward()
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
         self.opt.step()
-        return loss.item()
+        return total
 
 
 def seeded_params(cfg: Config, step: int) -> list[SamplingParams]:

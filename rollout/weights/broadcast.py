@@ -203,6 +203,11 @@ def _host_check(auth: Any, group: str, world_size: int, key: bytes | None) -> No
         if not ok:
             refused.append(r)
     if refused:
+        # the store lives in this process: keep it up until the refused members have read why
+        try:
+            auth.wait([f"{r}/seen" for r in refused], timedelta(seconds=HOST_MODE_WAIT_S * 5))
+        except RuntimeError:
+            pass  # a member that went away reads nothing
         raise PermissionError(
             f"rank(s) {refused} did not prove the shared secret ({SECRET_ENV}); refused them"
         )
@@ -215,6 +220,7 @@ def _member_without_secret(auth: Any, rank: int) -> None:
     except RuntimeError:
         return  # a host that is not rollout's: it checks nothing
     if auth.get("mode") == HMAC_MODE:
+        auth.set(f"{rank}/seen", b"1")
         raise PermissionError(f"the host requires a shared secret ({SECRET_ENV}) and this side has none")
 
 
@@ -226,6 +232,7 @@ def _member_check(auth: Any, group: str, rank: int, key: bytes) -> None:
     auth.set(f"{rank}/nonce", mine)
     auth.set(f"{rank}/proof", _mac(key, b"member", group, rank, nonce, mine))
     verdict = auth.get(f"{rank}/verdict")
+    auth.set(f"{rank}/seen", b"1")
     if verdict == REFUSED:
         raise PermissionError(f"the host refused this side's shared secret ({SECRET_ENV})")
     if not hmac.compare_digest(verdict, _mac(key, b"host", group, rank, nonce, mine)):
