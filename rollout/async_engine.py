@@ -44,6 +44,17 @@ REQUEST_METHODS = frozenset(
 )
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Channel, Any]]) -> None:
+    def put_all() -> None:
+        for ch, item in items:
+            ch.queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # that loop is closed: nobody is waiting any more
+        pass
+
+
 class QueueFullError(RuntimeError):
     """More requests are in flight than `max_queued_requests` allows (the server answers 503)."""
 
@@ -304,6 +315,7 @@ class AsyncEngine:
             for rid in [r for r in self._channels if r not in self.engine.scheduler.requests]:
                 self._channels.pop(rid).put(e)  # a failed step aborted these: their callers get the error
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Channel, RequestOutput]]] = {}
         for out in outs:
             ch = (
                 self._channels.pop(out.request_id, None)
@@ -311,7 +323,9 @@ class AsyncEngine:
                 else self._channels.get(out.request_id)
             )
             if ch is not None:
-                ch.put(ch.delta(out))
+                by_loop.setdefault(ch.loop, []).append((ch, ch.delta(out)))
+        for loop, items in by_loop.items():  # one wake-up of each caller loop per step, not one per request
+            _deliver(loop, items)
 
     def _stop(self) -> None:
         """Abort what is in flight (callers get their partial outputs), refuse what is still queued."""

@@ -3,7 +3,8 @@ beside the same workload through Engine.generate in the same process; prints out
 
 The workload: 256 requests with random prompt tokens, input lengths 100-1024 and output lengths 100-512
 (fixed seed), temperature 0.6, ignore_eos. Each client streams its request over SSE (/generate with
-stream=true) from 127.0.0.1 and counts the tokens it receives. Engine.generate runs first, then the same
+stream=true with --endpoint generate; by default /v1/completions deltas) from a separate
+process on 127.0.0.1 and counts the tokens it receives. Engine.generate runs first, then the same
 engine is served (one KV pool, one set of graphs).
 
     python scripts/bench_serve.py --model qwen2.5-0.5b          # random checkpoint, real shapes
@@ -67,26 +68,35 @@ def serve(engine: Engine) -> tuple[str, object]:
     return f"http://127.0.0.1:{port}", server
 
 
-async def run_clients(url: str, prompts: list[list[int]], outs: list[int], clients: int) -> float:
+async def run_clients(
+    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str
+) -> float:
     import httpx
 
     gate = asyncio.Semaphore(clients)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async def one(ac: httpx.AsyncClient, ids: list[int], n: int) -> int:
-        sp = {"max_new_tokens": n, "temperature": 0.6, "ignore_eos": True}
-        async with (
-            gate,
-            ac.stream(
-                "POST", "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True}
-            ) as r,
-        ):
+        if endpoint == "completions":  # OpenAI-style deltas; token ids counted chunk by chunk
+            path = "/v1/completions"
+            body = dict(prompt=ids, max_tokens=n, temperature=0.6, ignore_eos=True, stream=True)
+            body["return_token_ids"] = True
+        else:  # SGLang's /generate: each chunk holds the output so far
+            path = "/generate"
+            sp = {"max_new_tokens": n, "temperature": 0.6, "ignore_eos": True}
+            body = {"input_ids": ids, "sampling_params": sp, "stream": True}
+        async with gate, ac.stream("POST", path, json=body) as r:
             r.raise_for_status()
-            last = 0
+            count = 0
             async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    last = json.loads(line[6:])["meta_info"]["completion_tokens"]
-            return last
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if endpoint == "completions":
+                    count += len(chunk["choices"][0]["token_ids"])
+                else:
+                    count = chunk["meta_info"]["completion_tokens"]
+            return count
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
         await one(ac, prompts[0], 8)  # warm-up
@@ -96,6 +106,25 @@ async def run_clients(url: str, prompts: list[list[int]], outs: list[int], clien
     if counts != outs:
         raise RuntimeError("a streamed request came back short")
     return sum(counts) / seconds
+
+
+def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, result) -> None:
+    """The clients in a process of their own, as real clients are: they share no interpreter lock with
+    the server."""
+    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint)))
+
+
+def run_clients_elsewhere(url: str, prompts: list, outs: list, clients: int, endpoint: str) -> float:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    proc = ctx.Process(target=clients_process, args=(url, prompts, outs, clients, endpoint, result))
+    proc.start()
+    try:
+        return result.get(timeout=1800)
+    finally:
+        proc.join(10)
 
 
 def main() -> None:
@@ -110,6 +139,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cuda-graph", type=int, default=1)
+    ap.add_argument("--endpoint", choices=["completions", "generate"], default="completions")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.model == "tiny":
@@ -125,12 +155,13 @@ def main() -> None:
     direct = run_engine(engine, prompts, outs)
     engine.flush_cache()  # the served run computes its prompts too
     url, server = serve(engine)
-    served = asyncio.run(run_clients(url, prompts, outs, args.clients))
+    served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
     server.should_exit = True
     result = {
         "model": str(args.model),
         "requests": args.requests,
         "clients": args.clients,
+        "endpoint": args.endpoint,
         "engine_generate_tok_s": round(direct, 1),
         "server_stream_tok_s": round(served, 1),
         "ratio": round(served / direct, 3),

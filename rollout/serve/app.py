@@ -227,6 +227,7 @@ async def _stream_completion(
     engine: AsyncEngine, prompts: list[dict], params: SamplingParams, rid: str, model: str, req: Any
 ) -> AsyncIterator[dict]:
     for i, p in enumerate(prompts):  # one prompt after the other: each streams as it is generated
+        first = True
         async for out in engine.stream(sampling_params=params, request_id=f"{rid}-{i}", **p):
             choices = []
             for c in out.outputs:
@@ -234,9 +235,12 @@ async def _stream_completion(
                 choice["logprobs"] = (
                     _completion_logprobs(engine.tokenizer, c) if req.logprobs is not None else None
                 )
-                if req.return_token_ids:
-                    choice |= {"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids}
+                if req.return_token_ids:  # the prompt's ids once, in the first chunk, as vLLM does
+                    choice["token_ids"] = c.token_ids
+                    if first:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
                 choices.append(choice)
+            first = False
             yield _body(rid, "text_completion", model, choices, None)
 
 
