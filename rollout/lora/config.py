@@ -25,6 +25,9 @@ UNSUPPORTED = {
     "fan_in_fan_out": (False, None),
     "bias": ("none", None),
     "lora_bias": (False, None),
+    "layer_replication": (None,),
+    "target_parameters": (None, [], ()),
+    "trainable_token_indices": (None,),
 }
 
 
