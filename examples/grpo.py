@@ -24,6 +24,7 @@ import torch
 
 from integrations.cli import loop_parser, run_example
 from integrations.loop import ColocatedLoop, check_loop_config
+from integrations.lora import build_lora_loop
 from integrations.metrics import PhaseTimer
 from integrations.rl import (
     LossStats,
@@ -62,8 +63,11 @@ class Config:
     wandb: bool = False
     wandb_dir: str | None = None
     progress: bool = True
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank, not every weight (integrations/lora.py)
 
     def __post_init__(self) -> None:
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
         if self.n < 2:
             raise ValueError(f"n must be >= 2: GRPO compares the samples of one prompt, got n={self.n}")
         check_loop_config(self)
@@ -140,7 +144,7 @@ def grpo_update(
 def train(cfg: Config) -> list[dict[str, float]]:
     """Run the loop; returns each step's metrics."""
     torch.manual_seed(cfg.seed)
-    loop = ColocatedLoop.build(cfg, project="rollout-grpo")
+    loop = (build_lora_loop if cfg.lora_rank else ColocatedLoop.build)(cfg, project="rollout-grpo")
     opt = torch.optim.AdamW(loop.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     shuffle = torch.Generator().manual_seed(cfg.seed)  # minibatch order
     with loop.logger:
@@ -157,6 +161,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
 def parse_args(argv: list[str] | None = None) -> Config:
     d = Config()
     ap = loop_parser(d, __doc__)
+    ap.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train a LoRA of this rank")
     return Config(**vars(ap.parse_args(argv)))
 
 

@@ -27,6 +27,10 @@ ENGINE_METHODS = (
     "get_weights_by_name",
     "weights_checksum",
     "flush_cache",
+    # LoRA adapters
+    "load_lora_adapter",
+    "load_lora_adapter_from_tensors",
+    "unload_lora_adapter",
     # lifetime
     "shutdown",
 )

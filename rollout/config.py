@@ -32,6 +32,8 @@ class EngineConfig:
     tp_size: int = 1  # ranks sharing one model (consecutive ranks of the torchrun world)
     tp_timeout: float = 600.0  # seconds a tensor-parallel collective waits for the other ranks
     log_level: str | None = None
+    max_loras: int = 0  # LoRA adapter slots (0: LoRA off, the forward pays nothing); see docs/lora.md
+    max_lora_rank: int = 64  # the largest adapter rank a slot holds
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)):
@@ -53,6 +55,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -27,6 +27,7 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
+from rollout.lora import LoraManager
 from rollout.memory import TAGS, MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
@@ -107,6 +108,12 @@ class Engine:
             )
             load_checkpoint(self.model, cfg.model)
         self.tokenizer = _load_tokenizer(cfg.model)
+        # adapter slots before the KV pool, which is sized from what is left
+        self.lora = (
+            LoraManager(self.model, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, tp)
+            if cfg.max_loras
+            else None
+        )
         eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
         with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
@@ -128,6 +135,7 @@ class Engine:
             self.device,
             max_model_len=self._max_model_len,
             max_running=cfg.max_running_requests,
+            lora=self.lora,
         )
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
@@ -173,6 +181,7 @@ class Engine:
             # a trainer or another engine in the process may hold the rest
             free, total = torch.cuda.mem_get_info(self.device)
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())  # tied: once
+            weights += self.lora.nbytes if self.lora is not None else 0
             budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
             num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
@@ -445,11 +454,22 @@ class Engine:
         check_prompts(token_lists, self.model_config.vocab_size)
         params = normalize_params(sampling_params, len(token_lists))
         check_params(params, self.model_config.vocab_size)
+        self._check_lora_names(params)
         check_lengths(token_lists, params, self._max_model_len, self.pool_tokens)
         if self.tokenizer is None and any(p.stop_strings for p in params):
             raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
         self._check_ready("cannot generate")
         return token_lists, texts, params
+
+    def _check_lora_names(self, params: list[SamplingParams]) -> None:
+        for p in params:
+            if p.lora_name is not None and self.lora is None:
+                raise ValueError(
+                    f"SamplingParams.lora_name={p.lora_name!r}: LoRA is off "
+                    "(start the engine with max_loras >= 1)"
+                )
+            if self.lora is not None:
+                self.lora.check_name(p.lora_name)
 
     def _check_ready(self, action: str) -> None:
         """Raise instead of generating from released memory or discarded weights."""
@@ -467,6 +487,9 @@ class Engine:
         for sample in range(p.n):
             seed = self._rng.getrandbits(63) if p.seed is None else p.seed * 1_000_003 + sample
             seqs.append(Sequence(next(self._seq_ids), request_id, sample, list(tokens), len(tokens), p, seed))
+        if self.lora is not None:  # an adapter's requests share cached pages only with each other
+            for seq in seqs:
+                seq.cache_salt = self.lora.salt(p.lora_name)
         if p.prompt_logprobs is not None:  # the first sample's prefill scores the prompt; the rest share it
             seqs[0].logprobs_from = 1
         self.scheduler.add(Request(request_id, list(tokens), p, seqs, prompt=text, stream=stream))
@@ -603,6 +626,63 @@ class Engine:
         self.memory.check_weights_resident("weights_checksum")
         self.weights.check_valid("weights_checksum")
         return self.weights.checksums(names)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+    @serialised
+    def load_lora_adapter(
+        self, name: str, path: str | Path, *, replace: bool = False, abort: bool = False
+    ) -> None:
+        """Load a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) under `name`;
+        requests pick it with SamplingParams(lora_name=name). See `load_lora_adapter_from_tensors`."""
+        lora = self._lora_manager("load_lora_adapter")
+        self._load_lora(name, lambda: lora.load_folder(name, path, replace), abort)
+
+    @serialised
+    def load_lora_adapter_from_tensors(
+        self,
+        name: str,
+        tensors: Any,
+        config: Mapping[str, Any],
+        *,
+        replace: bool = False,
+        abort: bool = False,
+    ) -> None:
+        """Load an adapter from PEFT state-dict names (`...q_proj.lora_A.weight`: a dict or a list of
+        (name, tensor)) and its config (r, lora_alpha, target_modules, use_rslora). A name already loaded
+        is refused unless `replace=True`, which copies the new tensors into its slot in place (a trainer's
+        sync) and drops the pages its old version cached. Everything is validated before the first write:
+        a refused adapter leaves the engine as it was. Requests on `name` in flight make a replace refuse
+        unless `abort=True` aborts what is in flight."""
+        lora = self._lora_manager("load_lora_adapter_from_tensors")
+        self._load_lora(name, lambda: lora.load(name, tensors, config, replace), abort)
+
+    @serialised
+    def unload_lora_adapter(self, name: str, *, abort: bool = False) -> None:
+        """Free the adapter's slot and its cached pages; later requests naming it are refused."""
+        self._lora_manager("unload_lora_adapter")
+        self._before_lora_write(name, abort)
+        old = self.lora.salt(name) if name in self.lora.adapters else None
+        self.lora.unload(name)
+        self.pages.forget_salt(old)
+
+    def _lora_manager(self, action: str) -> LoraManager:
+        if self.lora is None:
+            raise ValueError(f"{action}: LoRA is off; start the engine with max_loras >= 1")
+        return self.lora
+
+    def _before_lora_write(self, name: str, abort: bool) -> None:
+        """Requests on `name` would mix the old and new adapter in their KV: refuse, or abort them all."""
+        requests = self.scheduler.requests.values()
+        if isinstance(name, str) and any(r.params.lora_name == name for r in requests):
+            self._drain(f"LoRA adapter {name!r}", abort)
+
+    def _load_lora(self, name: str, load: Callable[[], Any], abort: bool) -> None:
+        self._before_lora_write(name, abort)
+        old = self.lora.salt(name) if name in self.lora.adapters else None
+        adapter = load()  # validates everything first: a refusal raises before any write
+        if old is not None:  # pages the previous version computed must never be matched again
+            self.pages.forget_salt(old)
+        log.info("LoRA adapter %r loaded in slot %d (r=%d)", name, adapter.slot, adapter.config.rank)
 
     @serialised
     def flush_cache(self) -> None:

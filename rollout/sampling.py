@@ -34,6 +34,7 @@ class SamplingParams:
     # None: off; k >= 0: RequestOutput.prompt_logprobs holds the logprob of every prompt token after the
     # first (at this temperature, as for sampled tokens), and with k > 0 the top k of each position too
     prompt_logprobs: int | None = None
+    lora_name: str | None = None  # the LoRA adapter (Engine.load_lora_adapter) to sample with; None: base
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,10 @@ class SamplingParams:
                 _check_int("stop_token_ids", t, low=0)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise TypeError(
+                f"SamplingParams.lora_name must be a non-empty str or None, got {self.lora_name!r}"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -115,7 +115,7 @@ class Scheduler:
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         if seq.pages:
             return
-        pages = self.pages.match(seq.token_ids)
+        pages = self.pages.match(seq.token_ids, seq.cache_salt)
         # keep at least one token to compute (its logits give the next token); drop the whole last page
         # rather than recompute into a shared page
         if len(pages) * self.pages.page_size >= seq.num_tokens:
@@ -199,7 +199,7 @@ class Scheduler:
             seq.num_computed += chunk
             if seq.num_computed // S > seq.num_indexed_pages:  # a page was filled: index it
                 seq.num_indexed_pages = self.pages.register(
-                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed
+                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed, seq.cache_salt
                 )
             if seq.num_computed == len(seq.token_ids):
                 ready.append(seq)

@@ -51,6 +51,7 @@ class Sequence:
     score_only: bool = False  # Engine.score: finish after the prefill, sample nothing
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprobs_from, ...
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
 
     @property
     def num_tokens(self) -> int:

@@ -4,14 +4,15 @@ A full page whose KV is computed is registered under (parent page's node id, its
 sequence with the same prefix walks that chain from the start and shares the pages (refcount + 1), so
 the n samples of a prompt, and later calls with the same prompt, prefill it once. Registered pages are
 immutable: a sequence only ever writes to pages it holds alone. Pages no one holds stay cached (LRU)
-until the pool needs them or `flush` drops the cache.
+until the pool needs them or `flush` drops the cache. A salt (a LoRA adapter and its load id) starts a
+chain of its own: pages computed under another adapter, or the base model, are never shared.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 Key = tuple[int, tuple[int, ...]]
 ROOT = 0
@@ -28,6 +29,7 @@ class PageManager:
         self.page_key: dict[int, Key] = {}
         self.page_node: dict[int, int] = {}  # page -> node id (never reused, so chains never go stale)
         self._node_ids = itertools.count(1)
+        self._roots: dict[Hashable, int] = {}  # salt -> the node id its chains start from
 
     # -- allocation -------------------------------------------------------------------------------
     def available(self) -> int:
@@ -66,11 +68,18 @@ class PageManager:
         del self.page_node[page]
 
     # -- prefix cache -----------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def _root(self, salt: Hashable) -> int:
+        if salt is None:
+            return ROOT
+        if salt not in self._roots:
+            self._roots[salt] = next(self._node_ids)
+        return self._roots[salt]
+
+    def match(self, tokens: Sequence[int], salt: Hashable = None) -> list[int]:
         """Pages holding the longest cached prefix of `tokens` in whole pages; each gains a reference."""
         if not self.enable_prefix_cache:
             return []
-        pages, parent, S = [], ROOT, self.page_size
+        pages, parent, S = [], self._root(salt), self.page_size
         for start in range(0, len(tokens) - S + 1, S):
             page = self.index.get((parent, tuple(tokens[start : start + S])))
             if page is None:
@@ -83,13 +92,15 @@ class PageManager:
             self.refs[page] += 1
         return pages
 
-    def register(self, pages: Sequence[int], tokens: Sequence[int], done: int, upto: int) -> int:
+    def register(
+        self, pages: Sequence[int], tokens: Sequence[int], done: int, upto: int, salt: Hashable = None
+    ) -> int:
         """Index the full pages among the first `upto` computed tokens, past the `done` pages indexed
         already; returns how many of the sequence's pages are indexed now."""
         if not self.enable_prefix_cache:
             return done
         S = self.page_size
-        parent = self.page_node.get(pages[done - 1]) if done else ROOT
+        parent = self.page_node.get(pages[done - 1]) if done else self._root(salt)
         if parent is None:  # the cache was flushed under this sequence: its chain is gone
             return done
         for i in range(done, upto // S):
@@ -104,6 +115,24 @@ class PageManager:
             parent = node
             done = i + 1
         return done
+
+    def forget_salt(self, salt: Hashable) -> int:
+        """Drop the cached pages of one salt's chains (a reloaded or unloaded adapter); returns how many.
+        Parents are registered before their children, so one pass in index order finds the whole tree."""
+        root = self._roots.pop(salt, None)
+        if root is None:
+            return 0
+        nodes, pages = {root}, []
+        for (parent, _), page in self.index.items():
+            if parent in nodes:
+                nodes.add(self.page_node[page])
+                pages.append(page)
+        for page in pages:
+            self._forget(page)
+            if page in self.evictable:  # unreferenced: free now; a held page is freed on its release
+                del self.evictable[page]
+                self.free_pages.append(page)
+        return len(pages)
 
     def flush(self) -> None:
         """Forget every cached prefix (after a weight update the cached KV is stale)."""

@@ -23,6 +23,8 @@ def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | No
 class ColumnLinear(nn.Module):
     """y = x W^T + b with W's rows split over TP ranks; several HF matrices may be stacked (fused)."""
 
+    lora = None  # a rollout.lora.LoraLinear when the engine has adapter slots (max_loras > 0)
+
     def __init__(
         self,
         in_features: int,
@@ -44,7 +46,10 @@ class ColumnLinear(nn.Module):
         self.bias = empty_param(sum(self.local_sizes), dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
     def _rows(self, shard: Shard) -> tuple[int, int, int]:
         i = self.shard_names.index(shard)
@@ -72,6 +77,8 @@ class ColumnLinear(nn.Module):
 class RowLinear(nn.Module):
     """y = x W^T + b with W's columns split over TP ranks; partial sums are all-reduced."""
 
+    lora = None  # a rollout.lora.LoraLinear when the engine has adapter slots (max_loras > 0)
+
     def __init__(
         self,
         in_features: int,
@@ -90,7 +97,10 @@ class RowLinear(nn.Module):
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if self.lora is not None:  # before the all-reduce: the adapter's partial sums add up like W's
+            self.lora.apply(x, y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
     def hf_shape(self, param: str, shard: Shard) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ class StepInputs:
     logit_rows: torch.Tensor | slice  # rows of the hidden states whose next token is sampled
     sampling: SamplingBatch | None
     graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
+    lora_slots: torch.Tensor | None = None  # int64 [T]: each token's LoRA slot (None: no adapter used)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class HostBatch:
     q_lens: list[int]
     page_table: np.ndarray  # int32 [B, max_pages]
     sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
+    token_slots: np.ndarray | None = None  # int64 [T]: LoRA slot per token (None: every token on the base)
 
     @property
     def batch_size(self) -> int:

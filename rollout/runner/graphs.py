@@ -8,6 +8,10 @@ hidden states to a static buffer; logits and sampling run eagerly on the B real 
 Padding rows decode token 0 at position 0 with seq_len 0, write their k/v to the pool's scratch page
 and are dropped. Sizes are captured largest first into one shared memory pool, so smaller graphs reuse
 the larger ones' memory. Prefill steps, and decode batches past the largest size, run eagerly.
+
+With LoRA slots (rollout/lora), the graphs include the adapter matmuls and read each row's slot from a
+static buffer (padding rows: slot 0, the base model), so one graph serves any mix of adapters, and a
+reloaded adapter (copied into its slot in place) is seen by the next replay.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.lora.layers import LoraState
 from rollout.runner.batch import HostBatch, StepInputs
 from rollout.runner.sampler import SamplingBatch
 
@@ -63,6 +68,7 @@ class GraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         capture_context: CaptureContext | None = None,
+        lora: LoraState | None = None,
     ):
         if not backend.supports_cuda_graph:
             raise ValueError(f"attention backend {type(backend).__name__} cannot run in CUDA graphs")
@@ -78,6 +84,8 @@ class GraphRunner:
         self.page_table = torch.zeros(self.max_bs, max_pages, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
+        self.lora = lora
+        self.lora_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=device) if lora else None
         self.graphs: dict[int, Any] = {}
         self.pool: Any = None
         self.capture_seconds = 0.0
@@ -114,6 +122,8 @@ class GraphRunner:
         ids, positions = self.longs[:bs], self.longs[bs : 2 * bs]
 
         def run() -> None:
+            if self.lora is not None:  # the mask is gathered inside the graph, from the static slots
+                self.lora.begin(self.lora_slots[:bs])
             self.hidden[:bs].copy_(self.model(ids, positions, ctx))
 
         with torch.inference_mode():
@@ -157,6 +167,11 @@ class GraphRunner:
         self.longs[: 3 * bs].copy_(self._host(longs), non_blocking=True)
         self.seq_lens[:bs].copy_(self._host(seq_lens), non_blocking=True)
         self.page_table[:B, :mp].copy_(self._host(host.page_table), non_blocking=True)
+        if self.lora_slots is not None:
+            lora_slots = np.zeros(bs, dtype=np.int64)  # padding rows: the base model
+            if host.token_slots is not None:
+                lora_slots[:B] = host.token_slots
+            self.lora_slots[:bs].copy_(self._host(lora_slots), non_blocking=True)
         attn = self._attn(bs, seq_lens.tolist(), table)
         return StepInputs(self.longs[:bs], self.longs[bs : 2 * bs], attn, slice(0, B), sampling, graph_bs=bs)
 

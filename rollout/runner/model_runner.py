@@ -23,6 +23,7 @@ from rollout.sequence import uniforms
 from rollout.transfer import to_device
 
 if TYPE_CHECKING:
+    from rollout.lora import LoraManager
     from rollout.scheduler import ScheduledBatch
 
 
@@ -36,7 +37,9 @@ class ModelRunner:
         *,
         max_model_len: int = 4096,
         max_running: int = 256,
+        lora: LoraManager | None = None,
     ):
+        self.lora = lora  # adapter slots (None: LoRA off)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.page_size = backend.kv.page_size
         self.max_model_len = max_model_len
@@ -58,6 +61,7 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             capture_context=capture,
+            lora=self.lora.state if self.lora is not None else None,
         )
         self.graphs.capture()
 
@@ -81,7 +85,16 @@ class ModelRunner:
         table = self.page_table.gather(rows, int(-(-seq_lens.max() // S)))
         owner = np.repeat(np.arange(B), batch.chunks) if not batch.decode else np.arange(B)
         slots = table[owner, positions // S].astype(np.int64) * S + positions % S
-        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled)
+        lora = self._token_slots(seqs, owner)
+        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
+
+    def _token_slots(self, seqs: list, owner: np.ndarray) -> np.ndarray | None:
+        """Each token's LoRA slot (from its sequence's lora_name); None when no token uses an adapter."""
+        if self.lora is None or all(s.params.lora_name is None for s in seqs):
+            return None
+        slot = self.lora.slot
+        per_seq = np.fromiter((slot(s.params.lora_name) for s in seqs), dtype=np.int64, count=len(seqs))
+        return per_seq[owner]
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         host = self.host_batch(batch)
@@ -99,18 +112,18 @@ class ModelRunner:
         B = host.batch_size
         cu = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(host.q_lens, out=cu[1:])
-        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens = to_device(
-            [
-                host.ids,
-                host.positions,
-                host.slots,
-                cu[1:][host.sampled].astype(np.int64) - 1,
-                host.page_table,
-                host.seq_lens.astype(np.int32),
-                cu,
-            ],
-            self.device,
-        )
+        arrays = [
+            host.ids,
+            host.positions,
+            host.slots,
+            cu[1:][host.sampled].astype(np.int64) - 1,
+            host.page_table,
+            host.seq_lens.astype(np.int32),
+            cu,
+        ]
+        if host.token_slots is not None:
+            arrays.append(host.token_slots)
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *lora = to_device(arrays, self.device)
         attn = AttnBatch(
             decode=host.decode,
             q_lens=host.q_lens,
@@ -124,7 +137,8 @@ class ModelRunner:
             page_table_cpu=host.page_table,
         )
         # decode samples every row: a slice avoids a gather
-        return StepInputs(ids, positions, attn, slice(0, B) if host.decode else rows, sampling)
+        logit_rows = slice(0, B) if host.decode else rows
+        return StepInputs(ids, positions, attn, logit_rows, sampling, lora_slots=lora[0] if lora else None)
 
     # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -134,6 +148,8 @@ class ModelRunner:
             self.graph_steps += 1
             return self.graphs.replay(inputs)
         self.eager_steps += 1
+        if self.lora is not None:
+            self.lora.state.begin(inputs.lora_slots)
         ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
         return self.model(inputs.input_ids, inputs.positions, ctx)
 

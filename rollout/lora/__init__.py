@@ -1,0 +1,7 @@
+"""LoRA adapters applied unmerged in the forward, several per batch (see docs/lora.md)."""
+
+from rollout.lora.config import TARGETS, AdapterConfig
+from rollout.lora.layers import LoraLinear, LoraState
+from rollout.lora.manager import Adapter, LoraManager
+
+__all__ = ["TARGETS", "Adapter", "AdapterConfig", "LoraLinear", "LoraManager", "LoraState"]
