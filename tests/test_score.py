@@ -122,7 +122,8 @@ def test_score_bf16_on_gpu_equals_transformers(qwen3_dir):
 
     engine = Engine(qwen3_dir, device="cuda", dtype="bfloat16", page_size=16, max_total_tokens=8192)
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.bfloat16).cuda().eval()
-    seqs = [list(range(3, 3 + n)) for n in (40, 129, 300)]
+    vocab = engine.model_config.vocab_size
+    seqs = [[3 + i % (vocab - 3) for i in range(n)] for n in (40, 129, 300)]
     for seq, out in zip(seqs, engine.score(input_ids=seqs)):
         with torch.no_grad():
             logits = model(torch.tensor([seq], device="cuda")).logits[0, :-1].float()

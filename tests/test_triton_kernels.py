@@ -3,6 +3,7 @@
 Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1), so shapes are kept small.
 """
 
+import gc
 import math
 import os
 
@@ -340,6 +341,8 @@ def test_decode_cuda_graph_replay():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_page_offsets_beyond_int32_gpu():
     # page * page_stride > 2**31 elements: offsets must be computed in int64 (needs ~8.6 GB of cache).
+    gc.collect()  # engines of earlier tests may still hold the device
+    torch.cuda.empty_cache()
     page_size, hkv, hq, d = 16, 1, 4, 64
     num_pages = 2**31 // (page_size * hkv * d) + 64
     k_cache = torch.empty(num_pages, page_size, hkv, d, dtype=torch.bfloat16, device=DEVICE)
