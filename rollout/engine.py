@@ -136,6 +136,7 @@ class Engine:
             max_model_len=self._max_model_len,
             max_running=cfg.max_running_requests,
             lora=self.lora,
+            eos_ids=eos_ids,
         )
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)

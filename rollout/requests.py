@@ -76,6 +76,12 @@ def check_params(params: list[SamplingParams], vocab_size: int) -> None:
                 raise ValueError(
                     f"sampling_params[{i}].stop_token_ids holds {t}, outside the vocabulary [0, {vocab_size})"
                 )
+        for t in p.logit_bias or ():
+            if t >= vocab_size:
+                raise ValueError(
+                    f"sampling_params[{i}].logit_bias holds token id {t}, "
+                    f"outside the vocabulary [0, {vocab_size})"
+                )
         if p.top_logprobs > vocab_size:
             raise ValueError(
                 f"sampling_params[{i}].top_logprobs={p.top_logprobs} exceeds the vocabulary size {vocab_size}"

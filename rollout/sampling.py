@@ -8,14 +8,26 @@ from dataclasses import dataclass, field
 # Below this a temperature overflows float32 logits (logit / temperature) or rounds to 0 on the device,
 # where the row would turn greedy while the host still treats it as sampled: use 0 for greedy.
 MIN_TEMPERATURE = 1e-6
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample the completions of one prompt.
 
-    A sampled token's logprob is ``log_softmax(logits / temperature)[token]`` (plain ``log_softmax`` at
-    temperature 0), taken before top-k / top-p / min-p truncation: it is what a trainer recomputes.
+    Logits pass, as in vLLM: min_tokens masking and logit_bias, then the penalties, then temperature,
+    then top-k / top-p / min-p truncation. ``repetition_penalty`` (HF/vLLM) divides the positive logits
+    and multiplies the negative ones of every token in the prompt or output; ``presence_penalty`` and
+    ``frequency_penalty`` (OpenAI/vLLM) subtract ``presence * (count > 0) + frequency * count`` over the
+    output tokens. ``min_tokens`` masks EOS (unless ignore_eos) and stop_token_ids, and ignores stop
+    strings, until that many tokens are out.
+
+    logprobs_mode="raw" (default): a sampled token's logprob is ``log_softmax(logits / temperature)[token]``
+    (plain ``log_softmax`` at temperature 0) of the model's logits, before penalties, bias and truncation:
+    what a trainer recomputes. "processed": the log-probability under the distribution the token was
+    drawn from (after penalties, bias, temperature and truncation, renormalised; never -inf for a
+    sampled token); greedy rows report ``log_softmax`` of the penalised, biased logits. top_logprobs
+    follow the same mode.
     """
 
     n: int = 1
@@ -35,6 +47,13 @@ class SamplingParams:
     # first (at this temperature, as for sampled tokens), and with k > 0 the top k of each position too
     prompt_logprobs: int | None = None
     lora_name: str | None = None  # the LoRA adapter (Engine.load_lora_adapter) to sample with; None: base
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)  # token id -> added to its logit
+    include_stop_str_in_output: bool = False
+    logprobs_mode: str = "raw"  # "raw" | "processed", see above
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +90,32 @@ class SamplingParams:
             raise TypeError(
                 f"SamplingParams.lora_name must be a non-empty str or None, got {self.lora_name!r}"
             )
+        self._check_logit_options()
+
+    def _check_logit_options(self) -> None:
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_number("presence_penalty", self.presence_penalty)
+        _check_number("frequency_penalty", self.frequency_penalty)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens={self.min_tokens} exceeds max_new_tokens={self.max_new_tokens}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(
+                    f"SamplingParams.logit_bias must be a dict, got {type(self.logit_bias).__name__}"
+                )
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, low=0)
+                _check_number("logit_bias", b)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -84,6 +129,15 @@ class SamplingParams:
     def needs_sort(self) -> bool:
         """Whether truncation needs the sorted distribution (top-k or top-p)."""
         return not self.greedy and (self.top_k != -1 or self.top_p < 1.0)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before temperature (a per-batch flag)."""
+        return self.needs_penalties or self.min_tokens > 0 or bool(self.logit_bias)
 
 
 def _check_int(name: str, value: object, low: int | None = None) -> None:

@@ -16,6 +16,7 @@ import torch
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
+from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
 from rollout.scoring import prompt_logprobs
@@ -38,9 +39,11 @@ class ModelRunner:
         max_model_len: int = 4096,
         max_running: int = 256,
         lora: LoraManager | None = None,
+        eos_ids: frozenset[int] = frozenset(),
     ):
         self.lora = lora  # adapter slots (None: LoRA off)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
+        self.eos_ids = eos_ids  # what min_tokens masks
         self.page_size = backend.kv.page_size
         self.max_model_len = max_model_len
         self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
@@ -104,6 +107,8 @@ class ModelRunner:
             if seqs
             else None
         )
+        if sampling is not None and sampling.adjusts_logits:
+            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
         if host.decode and self.graphs is not None and self.graphs.fits(host.batch_size):
             return self.graphs.load(host, sampling)
         return self.eager_inputs(host, sampling)

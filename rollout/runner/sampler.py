@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rollout.runner.logit_adjust import LogitAdjust
 from rollout.sampling import SamplingParams
 from rollout.transfer import to_device
 
@@ -33,6 +34,9 @@ class SamplingBatch:
     needs_sort: bool
     needs_min_p: bool
     num_top_logprobs: int
+    adjusts_logits: bool = False  # a row uses min_tokens, logit_bias or a penalty: `adjust` must be set
+    processed: torch.Tensor | None = None  # bool [N], rows with logprobs_mode="processed" (None: none)
+    adjust: LogitAdjust | None = None
 
     @classmethod
     def build(
@@ -49,7 +53,11 @@ class SamplingBatch:
         floats = np.array([[p.temperature, p.top_p, p.min_p] for p in distinct], dtype=np.float32)[which]
         top_k = np.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in distinct], dtype=np.int64)
         top_k = top_k[which]
-        rows, ints, us = to_device([floats, top_k, np.asarray(uniforms, dtype=np.float64)], device)
+        arrays = [floats, top_k, np.asarray(uniforms, dtype=np.float64)]
+        any_processed = any(p.logprobs_mode == "processed" for p in distinct)
+        if any_processed:
+            arrays.append(np.array([p.logprobs_mode == "processed" for p in distinct])[which])
+        rows, ints, us, *processed = to_device(arrays, device)
         return cls(
             temperatures=rows[:, 0],
             top_p=rows[:, 1],
@@ -60,6 +68,8 @@ class SamplingBatch:
             needs_sort=any(p.needs_sort for p in distinct),
             needs_min_p=any(p.min_p > 0 and not p.greedy for p in distinct),
             num_top_logprobs=max(p.top_logprobs for p in distinct),
+            adjusts_logits=any(p.adjusts_logits for p in distinct),
+            processed=processed[0] if any_processed else None,
         )
 
 
@@ -72,14 +82,22 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: float32 [N, V]."""
+    """logits: float32 [N, V]. Reported logprobs: see SamplingParams (raw by default, or processed)."""
     greedy = sb.temperatures == 0
-    scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures)
-    logprobs = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
+    scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures).unsqueeze(1)
+    raw = logits
+    if sb.adjusts_logits:
+        logits = sb.adjust.apply(logits)
+    logprobs = torch.log_softmax(logits / scale, dim=-1)
     tokens = logits.argmax(dim=-1)  # torch documents the first of equal maxima: the lowest id
+    weights = None
     if not sb.all_greedy:
-        drawn = _draw(logprobs, sb)
+        drawn, weights = _draw(logprobs, sb)
         tokens = torch.where(greedy, tokens, drawn)
+    if sb.processed is not None:
+        logprobs = _reported(raw, logprobs, weights, scale, greedy, sb)
+    elif sb.adjusts_logits:
+        logprobs = torch.log_softmax(raw / scale, dim=-1)  # raw: before penalties and bias
     top_ids = top_lp = None
     if sb.num_top_logprobs:
         top_lp, top_ids = _topk_lowest_id_first(logprobs, sb.num_top_logprobs)
@@ -96,8 +114,30 @@ def _fixed(probs: torch.Tensor) -> torch.Tensor:
     return (probs * FIXED_ONE).to(torch.int64)  # scaling by a power of two is exact; the cast floors
 
 
-def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF."""
+def _reported(
+    raw: torch.Tensor,
+    logprobs: torch.Tensor,
+    weights: torch.Tensor | None,
+    scale: torch.Tensor,
+    greedy: torch.Tensor,
+    sb: SamplingBatch,
+) -> torch.Tensor:
+    """Per row, raw logprobs or processed ones: the adjusted distribution restricted to the tokens that
+    kept weight in the draw, renormalised (a sampled token always has weight). Greedy rows keep the
+    untruncated adjusted logprobs."""
+    processed = logprobs
+    if weights is not None:
+        kept = weights[:, : logprobs.shape[1]] > 0
+        cut = logprobs.masked_fill(~kept, float("-inf"))
+        cut = cut - torch.logsumexp(cut, dim=-1, keepdim=True)
+        processed = torch.where(greedy.unsqueeze(1), logprobs, cut)
+    base = torch.log_softmax(raw / scale, dim=-1) if sb.adjusts_logits else logprobs
+    return torch.where(sb.processed.unsqueeze(1), processed, base)
+
+
+def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF.
+    Returns the tokens and the integer weights drawn from ([N, V] padded to CDF_BLOCK)."""
     probs = _padded_exp(logprobs)
     weights = _fixed(probs)
     if sb.needs_sort:
@@ -105,7 +145,7 @@ def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     if sb.needs_min_p:
         top = weights.max(dim=-1, keepdim=True).values
         weights = weights * (weights >= sb.min_p.double().unsqueeze(1) * top)  # exact: weights < 2**53
-    return _inverse_cdf(weights, sb.uniforms)
+    return _inverse_cdf(weights, sb.uniforms), weights
 
 
 def _top_k_top_p(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
