@@ -21,7 +21,7 @@ from integrations.weight_sync import (
     _gathered,
     hf_named_parameters,
 )
-from rollout.weights.checksum import checksum
+from rollout.weights.checksum import checksum_device, to_host
 
 
 class WeightMismatchError(RuntimeError):
@@ -35,12 +35,13 @@ class WeightMismatchError(RuntimeError):
 @torch.no_grad()
 def trainer_checksums(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
     """Per HF name, the checksum of the trainer's parameter as the sync sends it (cast to `dtype`)."""
-    out = {}
+    sums = {}
     for name, p in hf_named_parameters(model):
         full = _gathered(p)  # a collective for a DTensor: every rank runs this loop in the same order
-        out[name] = checksum(full if dtype is None else full.to(dtype))
+        # a 0-dim device tensor: the full weight can go, and the host reads all sums in one copy
+        sums[name] = checksum_device(full if dtype is None else full.to(dtype))
         del full
-    return out
+    return dict(zip(sums, to_host(list(sums.values()))))
 
 
 def engine_checksums(engine: Any, names: list[str]) -> dict[str, int]:

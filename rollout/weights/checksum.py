@@ -64,15 +64,13 @@ def checksum_device(t: torch.Tensor) -> torch.Tensor:
     return total + t.numel()
 
 
-def to_unsigned(values: Iterable[int]) -> list[int]:
-    return [v & MASK for v in values]
-
-
 def checksums(tensors: Iterable[torch.Tensor]) -> list[int]:
     """One checksum per tensor as an unsigned 64-bit int; one host copy per device at the end."""
-    sums = [checksum_device(t) for t in tensors]
-    if not sums:
-        return []
+    return to_host([checksum_device(t) for t in tensors])
+
+
+def to_host(sums: list[torch.Tensor]) -> list[int]:
+    """checksum_device results as unsigned ints, read with one host copy per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
         by_device.setdefault(s.device, []).append(i)
