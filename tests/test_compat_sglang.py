@@ -4,12 +4,16 @@ trainer's weights and its greedy outputs equal transformers'."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import traceback
+from unittest import mock
 
 import pytest
 import torch
 from helpers import PROMPTS, hf_greedy, hf_logprobs
+from test_lora import ATTN, MLP, peft_model
+from test_sampling_options import EOS, hf_greedy_adjusted
 from test_weights_broadcast import TIMEOUT, sglang_style_group
 from weights_helpers import (
     assert_runs_model,
@@ -21,6 +25,7 @@ from weights_helpers import (
     state_list,
 )
 
+from rollout import SamplingParams as NativeParams
 from rollout.compat.serialize import (
     LocalSerializedTensor,
     MultiprocessingSerializer,
@@ -81,7 +86,9 @@ def test_generate_shapes_and_greedy_equal_transformers(front, qwen3_dir):
     with pytest.raises(ValueError, match="frobnicate"):
         front.generate(prompt="ab", sampling_params={"frobnicate": 1})
     with pytest.raises(ValueError, match="repetition_penalty"):
-        front.generate(prompt="ab", sampling_params={"repetition_penalty": 1.2})
+        front.generate(prompt="ab", sampling_params={"repetition_penalty": 0.0})  # the core's check
+    with pytest.raises(TypeError, match="logit_bias"):
+        front.generate(prompt="ab", sampling_params={"logit_bias": {"x": 1.0}})
 
 
 def test_stop_string_trim_and_no_stop_trim(front):
@@ -107,6 +114,178 @@ def test_async_generate_equals_generate(front):
         )
 
     assert [o["output_ids"] for o in asyncio.run(both())] == want
+
+
+# -- sampling options, streams, LoRA ----------------------------------------------------------------
+OPTIONS = [
+    {"temperature": 0, "repetition_penalty": 1.8},
+    {"temperature": 0, "presence_penalty": 0.8, "frequency_penalty": 0.5},
+    {"temperature": 0, "logit_bias": {"10": 4.0, "66": -5.0}},
+    {"temperature": 0, "min_new_tokens": 5, "logit_bias": {str(EOS): 30.0}},
+    {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 7, "repetition_penalty": 1.4, "min_new_tokens": 4},
+]
+NATIVE_NAMES = {"min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+
+
+def native_params(d: dict, **extra) -> NativeParams:
+    """The same options under the core's names, logit_bias keyed by int."""
+    fields = {NATIVE_NAMES.get(k, k): v for k, v in d.items()}
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {int(t): b for t, b in fields["logit_bias"].items()}
+    return NativeParams(**fields, **extra)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o))
+def test_sampling_options_equal_the_native_engine(front, options):
+    out = front.generate(
+        input_ids=PROMPTS[0], sampling_params={**options, "max_new_tokens": 12}, return_logprob=True
+    )
+    front.flush_cache()  # the same prefill as the front's, not one over cached pages
+    p = native_params(options, max_new_tokens=12, logprobs=True)
+    ref = front.engine.generate(input_ids=[PROMPTS[0]], sampling_params=p)[0].outputs[0]
+    assert out["output_ids"] == ref.token_ids
+    assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == ref.logprobs
+    base = {k: v for k, v in options.items() if k in ("temperature", "top_p", "sampling_seed")}
+    plain = front.generate(input_ids=PROMPTS[0], sampling_params={**base, "max_new_tokens": 12})
+    assert plain["output_ids"] != out["output_ids"], "the option had no effect"
+
+
+def test_min_new_tokens_and_penalties_against_the_logit_math(front, qwen3_dir):
+    hf = load_hf(qwen3_dir)
+    eager = {"temperature": 0, "max_new_tokens": 20, "logit_bias": {str(EOS): 30.0}}
+    assert front.generate(input_ids=PROMPTS[0], sampling_params=eager)["output_ids"] == [EOS]
+    out = front.generate(input_ids=PROMPTS[0], sampling_params={**eager, "min_new_tokens": 5})
+    assert len(out["output_ids"]) == 6 and EOS not in out["output_ids"][:5] and out["output_ids"][5] == EOS
+    options = {"presence_penalty": 0.9, "frequency_penalty": 0.4, "repetition_penalty": 1.2}
+    greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    got = front.generate(input_ids=PROMPTS[0], sampling_params={**greedy, **options})["output_ids"]
+    assert got == hf_greedy_adjusted(hf, PROMPTS[0], NativeParams(temperature=0, **options), 10)
+
+
+def deltas(chunks: list[dict], index: int | None = None) -> tuple[str, list[int]]:
+    """What each cumulative chunk adds to the one before it, joined (SGLang's stream_and_merge)."""
+    text, ids = "", []
+    for chunk in chunks:
+        if index is not None and chunk["index"] != index:
+            continue
+        assert chunk["text"].startswith(text) and chunk["output_ids"][: len(ids)] == ids
+        text += chunk["text"][len(text) :]
+        ids += chunk["output_ids"][len(ids) :]
+    return text, ids
+
+
+def test_stream_chunks_add_up_to_the_output(front):
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    whole = front.generate(input_ids=PROMPTS[0], sampling_params=params, return_logprob=True)
+    front.flush_cache()  # the same prefill as the whole output's, not one over cached pages
+    chunks = list(
+        front.generate(input_ids=PROMPTS[0], sampling_params=params, return_logprob=True, stream=True)
+    )
+    assert len(chunks) > 1 and all("index" not in c for c in chunks)
+    assert deltas(chunks) == (whole["text"], whole["output_ids"])
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert (last["text"], last["output_ids"]) == (whole["text"], whole["output_ids"])
+    assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    # a stop string kept with no_stop_trim ends the stream the way it ends the whole output
+    stop = {**params, "stop": [whole["text"][4:6]], "no_stop_trim": True}
+    kept = front.generate(input_ids=PROMPTS[0], sampling_params=stop)
+    streamed = list(front.generate(input_ids=PROMPTS[0], sampling_params=stop, stream=True))
+    assert deltas(streamed)[0] == kept["text"] == whole["text"][: whole["text"].index(stop["stop"][0]) + 2]
+    assert streamed[-1]["meta_info"]["finish_reason"] == kept["meta_info"]["finish_reason"]
+
+
+def test_batched_stream_is_indexed_prompt_major(front):
+    params = {"n": 2, "temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 3, "min_new_tokens": 8}
+    whole = front.generate(input_ids=PROMPTS[:2], sampling_params=params)
+    chunks = list(front.generate(input_ids=PROMPTS[:2], sampling_params=params, stream=True))
+    assert sorted({c["index"] for c in chunks}) == [0, 1, 2, 3]
+    for i, want in enumerate(whole):
+        assert deltas(chunks, i) == (want["text"], want["output_ids"])
+        assert [c for c in chunks if c["index"] == i][-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_leaving_a_stream_early_aborts_it(front):
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    want = front.generate(input_ids=PROMPTS[1], sampling_params=params)
+    for n, _ in enumerate(front.generate(input_ids=PROMPTS[1], sampling_params=params, stream=True)):
+        if n == 2:
+            break  # the loop drops the iterator: its finally aborts the request
+    assert not front.engine.has_unfinished()
+    dropped = front.generate(input_ids=PROMPTS[1], sampling_params=params, stream=True)
+    next(dropped)
+    assert front.engine.has_unfinished()
+    del dropped
+    gc.collect()
+    assert not front.engine.has_unfinished()
+    assert front.generate(input_ids=PROMPTS[1], sampling_params=params) == {
+        **want,
+        "meta_info": {**want["meta_info"], "id": mock.ANY},
+    }
+    # two open streams share the step loop: each gets all of its own chunks
+    a = front.generate(input_ids=PROMPTS[0], sampling_params=params, stream=True)
+    b = front.generate(input_ids=PROMPTS[1], sampling_params=params, stream=True)
+    both = [(x, y) for x, y in zip(a, b)]
+    assert deltas([y for _, y in both])[1] == want["output_ids"]
+    assert (
+        deltas([x for x, _ in both])[1]
+        == front.generate(input_ids=PROMPTS[0], sampling_params=params)["output_ids"]
+    )
+
+
+def test_async_stream(front):
+    import asyncio
+
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    want = [front.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS[:2]]
+
+    async def collect(prompt):
+        chunks = await front.async_generate(input_ids=prompt, sampling_params=params, stream=True)
+        return [c async for c in chunks]
+
+    async def leave_early():
+        chunks = await front.async_generate(input_ids=PROMPTS[0], sampling_params=params, stream=True)
+        async for _ in chunks:
+            break
+        await chunks.aclose()
+        return front.engine.has_unfinished()
+
+    async def run():
+        streams = await asyncio.gather(*(collect(p) for p in PROMPTS[:2]))
+        return streams, await leave_early()
+
+    streams, unfinished = asyncio.run(run())
+    assert [deltas(chunks)[1] for chunks in streams] == want and not unfinished
+    assert streams[0][-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+
+
+def test_lora_path_names_a_loaded_adapter(qwen3_dir, tmp_path):
+    base = load_hf(qwen3_dir)
+    a, b = peft_model(base, ATTN, 8, seed=1), peft_model(base, MLP, 8, seed=2)
+    a.save_pretrained(str(tmp_path / "a"))
+    b.save_pretrained(str(tmp_path / "b"))
+    e = Engine(qwen3_dir, **ARGS, lora_paths=[f"a={tmp_path / 'a'}"], max_lora_rank=8, max_loras_per_batch=2)
+    assert (e.engine.config.max_loras, e.engine.config.max_lora_rank) == (2, 8)
+    assert e.load_lora_adapter("b", str(tmp_path / "b"))[0]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    outs = e.generate(
+        input_ids=PROMPTS[:3], sampling_params=params, lora_path=["a", "b", None], return_logprob=True
+    )
+    for out, oracle, prompt in zip(outs, (a, b, base), PROMPTS):
+        assert out["output_ids"] == hf_greedy(oracle, prompt, 6)
+        lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(lps, hf_logprobs(oracle, prompt, out["output_ids"]))) < 1e-4
+    streamed = list(e.generate(input_ids=PROMPTS[0], sampling_params=params, lora_path="a", stream=True))
+    assert streamed[-1]["output_ids"] == outs[0]["output_ids"]
+    ok, msg = e.unload_lora_adapter("b")
+    assert ok and "'b'" in msg
+    ok, msg = e.load_lora_adapter("c", str(tmp_path))  # not an adapter folder
+    assert not ok and "adapter folder" in msg
+    with pytest.raises(ValueError, match="'b'"):
+        e.generate(input_ids=PROMPTS[0], sampling_params=params, lora_path="b")
+    with pytest.raises(ValueError, match="LoRA is off"):
+        Engine(qwen3_dir, **ARGS).generate(input_ids=PROMPTS[0], sampling_params=params, lora_path="a")
 
 
 def test_serializer_round_trip_bytes_and_base64():

@@ -10,8 +10,11 @@ all-or-nothing).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,24 +49,25 @@ SERVER_ARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 # SGLang sampling-param key -> SamplingParams field
 SAMPLING_KEYS = {
     "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "n": "n",
     "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
     "sampling_seed": "seed",
 }
-# accepted at their neutral value only: the core has no such option yet
-NEUTRAL_KEYS = {
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "min_new_tokens": 0,
-}
+# LoRA ServerArgs, combined into the engine's max_loras / max_lora_rank (see _lora_options)
+LORA_ARGS = ("enable_lora", "max_lora_rank", "max_loras_per_batch", "max_loaded_loras", "lora_paths")
 DEFAULT_GROUP = "weight_update_group"
 
 
@@ -75,13 +79,22 @@ class Engine:
         if model_path is None:
             raise TypeError("Engine() needs model_path")
         self._weights_backup = bool(kwargs.pop("enable_weights_cpu_backup", False))
+        lora_args = {k: kwargs.pop(k) for k in LORA_ARGS if k in kwargs}
         unknown = sorted(set(kwargs) - set(SERVER_ARGS))
         if unknown:
-            raise TypeError(f"Engine() got unknown server args {unknown}; known: {sorted(SERVER_ARGS)}")
+            known = sorted([*SERVER_ARGS, *LORA_ARGS])
+            raise TypeError(f"Engine() got unknown server args {unknown}; known: {known}")
         options = {SERVER_ARGS[k][0]: SERVER_ARGS[k][1](v) for k, v in kwargs.items()}
-        self.engine = CoreEngine(model_path, **options)
+        adapters = _lora_paths(lora_args.get("lora_paths"))
+        self.engine = CoreEngine(model_path, **options, **_lora_options(lora_args, len(adapters)))
+        for name, path in adapters.items():
+            self.engine.load_lora_adapter(name, path)
         self.tokenizer = self.engine.tokenizer
         self._version_label: str | None = None  # set by an update that names its weight_version
+        # streams share the engine's step loop: each step's outputs wait here for their own stream
+        self._inbox: dict[str, list[RequestOutput]] = {}
+        self._step_lock = threading.Lock()
+        self._stream_ids = itertools.count()
 
     # -- generation -------------------------------------------------------------------------------
     def generate(
@@ -92,33 +105,96 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        lora_path: str | list[str | None] | None = None,
         stream: bool = False,
-    ) -> dict | list[dict]:
-        """SGLang's output dicts: one for a single prompt with n=1, else a list (prompt-major)."""
-        if stream:
-            raise NotImplementedError("stream=True: use rollout.Engine.add_request(..., stream=True)")
+    ) -> dict | list[dict] | Iterator[dict]:
+        """SGLang's output dicts: one for a single prompt with n=1, else a list (prompt-major). With
+        stream=True an iterator of cumulative chunks (batched ones carry their "index" in that order).
+        lora_path: the name of a loaded adapter, for every prompt or one (or None) per prompt."""
         single = isinstance(prompt, str) or (
             input_ids is not None and len(input_ids) > 0 and not isinstance(input_ids[0], (list, tuple))
         )
         count = 1 if single else len(prompt if prompt is not None else input_ids or [])
         dicts = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
-        params = [to_sampling_params(d, return_logprob, top_logprobs_num) for d in dicts]
-        outs = self.engine.generate(prompt, params, input_ids=input_ids, use_tqdm=False)
-        result = [
-            self._output(o, c, (d or {}).get("no_stop_trim", False))
-            for o, d in zip(outs, dicts)
-            for c in o.outputs
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(loras) != count:
+            raise ValueError(f"lora_path: {len(loras)} given for {count} prompts (one per prompt)")
+        params = [
+            to_sampling_params(d, return_logprob, top_logprobs_num, lora) for d, lora in zip(dicts, loras)
         ]
+        if stream:
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            ids = [input_ids] if single and input_ids is not None else input_ids
+            return self._stream(texts, ids, params, indexed=not single or params[0].n > 1)
+        outs = self.engine.generate(prompt, params, input_ids=input_ids, use_tqdm=False)
+        result = [self._output(o, c) for o in outs for c in o.outputs]
         return result[0] if single and len(result) == 1 else result
 
-    async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict]:
-        # the core's lock serialises calls; a thread keeps the event loop free meanwhile
+    async def async_generate(self, *args: Any, stream: bool = False, **kwargs: Any) -> Any:
+        """`generate` in a thread, keeping the event loop free (the engine's lock serialises). With
+        stream=True, an async iterator of the chunks (`await` the call, then `async for`)."""
+        if stream:
+            return _async_chunks(self.generate(*args, stream=True, **kwargs))
         return await asyncio.to_thread(self.generate, *args, **kwargs)
 
-    def _output(self, out: RequestOutput, c: CompletionOutput, no_stop_trim: bool) -> dict:
-        text = c.text
-        if no_stop_trim and isinstance(c.stop_reason, str):
-            text += c.stop_reason  # the core cuts the text just before the stop string
+    def _stream(
+        self,
+        texts: list[str] | None,
+        ids: list[list[int]] | None,
+        params: list[SamplingParams],
+        indexed: bool,
+    ) -> Iterator[dict]:
+        """Queue the prompts as streamed requests, step the engine, and yield each sample's output so
+        far whenever it grows. Closing the iterator early (or dropping it) aborts what is unfinished."""
+        rids = [f"stream-{next(self._stream_ids)}" for _ in params]
+        order = {key: i for i, key in enumerate((rid, j) for rid, p in zip(rids, params) for j in range(p.n))}
+        so_far: dict[tuple[str, int], CompletionOutput] = {}
+        live: set[str] = set()
+        try:
+            for i, (rid, p) in enumerate(zip(rids, params)):
+                self._inbox[rid] = []
+                text, tokens = None if texts is None else texts[i], None if ids is None else list(ids[i])
+                self.engine.add_request(rid, tokens, p, prompt=text, stream=True)
+                live.add(rid)
+            while live:
+                outs = self._step_for(live)
+                if not outs:
+                    return  # aborted by a direct engine call, which took their outputs
+                for out in outs:
+                    for c in out.outputs:
+                        key = (out.request_id, c.index)
+                        if not _advanced(so_far.get(key), c):
+                            continue
+                        so_far[key] = _merge(so_far.get(key), c)
+                        chunk = self._output(out, so_far[key])
+                        if indexed:
+                            chunk["index"] = order[key]
+                        yield chunk
+                    if out.finished:
+                        live.discard(out.request_id)
+        finally:
+            for rid in rids:
+                self._inbox.pop(rid, None)
+            for rid in live:
+                self.engine.abort_request(rid)
+
+    def _step_for(self, rids: set[str]) -> list[RequestOutput]:
+        """Step the engine until one of `rids` has outputs and return theirs; other streams' outputs
+        wait in their inboxes. Empty when the engine has nothing left to run."""
+        with self._step_lock:
+            while not any(self._inbox[r] for r in rids):
+                outs = self.engine.step()
+                for out in outs:
+                    if out.request_id in self._inbox:
+                        self._inbox[out.request_id].append(out)
+                if not outs and not self.engine.has_unfinished():
+                    return []
+            ready = [out for r in rids for out in self._inbox[r]]
+            for r in rids:
+                self._inbox[r] = []
+            return ready
+
+    def _output(self, out: RequestOutput, c: CompletionOutput) -> dict:
         meta: dict[str, Any] = {
             "id": str(out.request_id),
             "finish_reason": finish_reason(c),
@@ -131,7 +207,7 @@ class Engine:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(c.logprobs, c.token_ids)]
         if c.top_logprobs is not None:
             meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top.items()] for top in c.top_logprobs]
-        return {"text": text, "output_ids": list(c.token_ids), "meta_info": meta}
+        return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights_from_tensor(
@@ -241,6 +317,23 @@ class Engine:
 
         return self._rl("update_weights_from_disk", run, weight_version)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> tuple[bool, str]:
+        """Load a PEFT adapter folder under `lora_name`, for generate(lora_path=lora_name). `pinned` is
+        accepted: an adapter stays loaded until unloaded."""
+
+        def run() -> str:
+            self.engine.load_lora_adapter(lora_name, lora_path)
+            return f"loaded LoRA adapter {lora_name!r}"
+
+        return self._rl("load_lora_adapter", run)
+
+    def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]:
+        def run() -> str:
+            self.engine.unload_lora_adapter(lora_name)
+            return f"unloaded LoRA adapter {lora_name!r}"
+
+        return self._rl("unload_lora_adapter", run)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The weight as float32 nested lists, first `truncate_size` rows (raises on an unknown name)."""
         return self.engine.get_weights_by_name(name, truncate_size).float().tolist()
@@ -288,20 +381,93 @@ class Engine:
 
 
 # -- translation ------------------------------------------------------------------------------------
-def to_sampling_params(d: dict | None, return_logprob: bool, top_logprobs_num: int | None) -> SamplingParams:
+def to_sampling_params(
+    d: dict | None, return_logprob: bool, top_logprobs_num: int | None, lora_name: str | None = None
+) -> SamplingParams:
     """SGLang's sampling-param dict as a SamplingParams (unknown keys raise, naming them)."""
     d = dict(d or {})
-    d.pop("no_stop_trim", None)  # applied to the output by the front
-    for key, neutral in NEUTRAL_KEYS.items():
-        if key in d and d.pop(key) != neutral:
-            raise ValueError(f"sampling param {key!r} is not supported yet (only {neutral!r})")
     unknown = sorted(set(d) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"unknown sampling params {unknown}; known: {sorted(SAMPLING_KEYS)}")
     fields = {SAMPLING_KEYS[k]: v for k, v in d.items() if v is not None}
     if "top_k" in fields and fields["top_k"] <= 0:
         fields["top_k"] = -1  # SGLang's "off"
-    return SamplingParams(**fields, logprobs=return_logprob, top_logprobs=top_logprobs_num or 0)
+    if isinstance(fields.get("logit_bias"), dict):  # SGLang keys it by str(token id), the core by int
+        fields["logit_bias"] = {_token_id(k): v for k, v in fields["logit_bias"].items()}
+    return SamplingParams(
+        **fields, logprobs=return_logprob, top_logprobs=top_logprobs_num or 0, lora_name=lora_name
+    )
+
+
+def _token_id(key: Any) -> Any:
+    # anything but a number in a str is left as it is, for the core to refuse naming logit_bias
+    return int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+
+
+def _advanced(before: CompletionOutput | None, delta: CompletionOutput) -> bool:
+    """Whether a streamed sample gained output or ended (a step reports every sample of a request)."""
+    ended_now = delta.finish_reason is not None and (before is None or before.finish_reason is None)
+    return bool(delta.token_ids or delta.text) or ended_now
+
+
+def _merge(before: CompletionOutput | None, delta: CompletionOutput) -> CompletionOutput:
+    """A streamed sample's output so far plus its newest delta. An abort reports the whole output, so
+    it replaces what came before."""
+    if before is None or delta.finish_reason == "abort":
+        return delta
+    return replace(
+        delta,
+        token_ids=before.token_ids + delta.token_ids,
+        text=before.text + delta.text,
+        logprobs=None if delta.logprobs is None else before.logprobs + delta.logprobs,
+        top_logprobs=None if delta.top_logprobs is None else before.top_logprobs + delta.top_logprobs,
+        weight_versions=before.weight_versions + delta.weight_versions,
+    )
+
+
+async def _async_chunks(chunks: Iterator[dict]) -> AsyncIterator[dict]:
+    """The chunks of a sync stream, each computed in a thread so the event loop stays free. The lock
+    keeps a close (on cancellation or aclose) from running while a thread is inside the stream."""
+    lock, end = threading.Lock(), object()
+
+    def pull() -> Any:
+        with lock:
+            return next(chunks, end)
+
+    try:
+        while (chunk := await asyncio.to_thread(pull)) is not end:
+            yield chunk
+    finally:
+        with lock:
+            chunks.close()  # aborts what is unfinished
+
+
+def _lora_paths(paths: Any) -> dict[str, str]:
+    """SGLang's lora_paths: {name: path}, or a list of "name=path", "path" (named by itself) or
+    {"lora_name", "lora_path"} dicts."""
+    if not paths:
+        return {}
+    if isinstance(paths, dict):
+        return dict(paths)
+    adapters = {}
+    for entry in paths:
+        if isinstance(entry, dict):
+            adapters[entry["lora_name"]] = entry["lora_path"]
+        else:
+            name, _, path = str(entry).rpartition("=")
+            adapters[name or path] = path
+    return adapters
+
+
+def _lora_options(args: dict[str, Any], num_paths: int) -> dict[str, Any]:
+    """SGLang's LoRA ServerArgs as engine options. LoRA is on with enable_lora or lora_paths (SGLang
+    turns it on for them); the adapter slots are max_loaded_loras, else max_loras_per_batch (8)."""
+    if not (args.get("enable_lora") or num_paths):
+        return {}
+    options = {"max_loras": args.get("max_loaded_loras") or args.get("max_loras_per_batch") or 8}
+    if args.get("max_lora_rank") is not None:
+        options["max_lora_rank"] = args["max_lora_rank"]
+    return options
 
 
 def finish_reason(c: CompletionOutput) -> dict | None:
