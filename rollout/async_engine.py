@@ -5,6 +5,8 @@ the engine between steps, runs `Engine.step`, and hands each output back to the 
 with `loop.call_soon_threadsafe`. Everything that touches the engine (adds, aborts, pauses, weight
 updates, memory release) runs on the loop thread between two steps, so no call interleaves with a step
 and there is no second step loop: this is `Engine.add_request` / `step` / `abort_request`, driven.
+ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process,
+which keeps the callers' Python work (an HTTP server's) from holding the step loop up.
 
 Pausing (`pause_generation`) has SGLang's three modes:
 - "abort": requests in flight end as aborted, with the tokens and logprobs they have;

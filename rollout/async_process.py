@@ -45,6 +45,7 @@ from rollout.wire import CLOSE, GET, Call, Reply, TokenDelta, Update, unwrap
 log = logging.getLogger("rollout")
 
 CONSTANT_PROPERTIES = ("max_model_len", "pool_tokens")  # read once at start-up, not per call
+CLOSE_TIMEOUT_S = 60.0  # how long close() waits for the child to shut its engine down
 
 
 @dataclass(eq=False)
@@ -260,10 +261,10 @@ class ProcessAsyncEngine(AsyncFront):
                 fut.set_exception(RuntimeError(self._dead))
 
     # -- lifetime ---------------------------------------------------------------------------------
-    def close(self, timeout: float = 60.0) -> None:
+    def close(self) -> None:
         """Stop the child: requests in flight end as aborted (callers get their partial outputs), then
-        it shuts its engine down and exits. A child that does not stop within `timeout` is terminated,
-        then killed. Safe to call twice."""
+        it shuts its engine down and exits. A child that does not stop within CLOSE_TIMEOUT_S is
+        terminated, then killed. Safe to call twice."""
         with self._count_lock:
             if self._stopping:
                 first = False
@@ -273,7 +274,7 @@ class ProcessAsyncEngine(AsyncFront):
             with self._lock:
                 self._outbox.append(Call(0, CLOSE, (), {}))
                 self._lock.notify()
-            reap(self._proc, timeout)
+            reap(self._proc, CLOSE_TIMEOUT_S)
         self._reader.join()
         self._sender.join()
         with self._count_lock:
