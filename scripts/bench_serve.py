@@ -16,7 +16,7 @@ Each phase runs in a process of its own, so two engines never hold the device at
     python scripts/bench_serve.py --model qwen2.5-0.5b          # random checkpoint, real shapes
     python scripts/bench_serve.py --model path/to/hf/ckpt --clients 256 --mode process
     python scripts/bench_serve.py --model tiny --device cpu --requests 16 --clients 16 --max-input 200 \
-        --max-output 64   # dry run
+        --max-output 64   # dry run (on a small CPU set OMP_NUM_THREADS=1: the processes share its cores)
 """
 
 from __future__ import annotations
