@@ -5,6 +5,8 @@ the engine between steps, runs `Engine.step`, and hands each output back to the 
 with `loop.call_soon_threadsafe`. Everything that touches the engine (adds, aborts, pauses, weight
 updates, memory release) runs on the loop thread between two steps, so no call interleaves with a step
 and there is no second step loop: this is `Engine.add_request` / `step` / `abort_request`, driven.
+ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process,
+which keeps the callers' Python work (an HTTP server's) from holding the step loop up.
 
 Pausing (`pause_generation`) has SGLang's three modes:
 - "abort": requests in flight end as aborted, with the tokens and logprobs they have;
@@ -23,25 +25,20 @@ import inspect
 import logging
 import queue
 import threading
-import uuid
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode, QueueFullError
 from rollout.engine import Engine
-from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.sampling import SamplingParams
+from rollout.outputs import RequestOutput
+from rollout.stream_deltas import cut
+
+__all__ = ["AsyncEngine", "PAUSE_MODES", "PauseMode", "QueueFullError"]
 
 log = logging.getLogger("rollout")
-
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES = ("abort", "retract", "in_place")
-# the request-level methods AsyncEngine implements itself; every other Engine method is forwarded
-REQUEST_METHODS = frozenset(
-    {"add_request", "step", "abort_request", "retract_requests", "has_unfinished", "generate", "shutdown"}
-)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Channel, Any]]) -> None:
@@ -53,10 +50,6 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Channel, Any]])
         loop.call_soon_threadsafe(put_all)
     except RuntimeError:  # that loop is closed: nobody is waiting any more
         pass
-
-
-class QueueFullError(RuntimeError):
-    """More requests are in flight than `max_queued_requests` allows (the server answers 503)."""
 
 
 @dataclass(eq=False)
@@ -81,30 +74,23 @@ class _Channel:
         if not self.stream:
             return out
         whole = any(c.finish_reason == "abort" for c in out.outputs)
-        cut = [
-            _cut(c, self.emitted_tokens.get(c.index, 0), self.emitted_chars.get(c.index, 0))
-            for c in out.outputs
-        ]
-        outputs = cut if whole else out.outputs
+        outputs = (
+            [
+                cut(c, self.emitted_tokens.get(c.index, 0), self.emitted_chars.get(c.index, 0))
+                for c in out.outputs
+            ]
+            if whole
+            else out.outputs
+        )
         for c in outputs:
             self.emitted_tokens[c.index] = self.emitted_tokens.get(c.index, 0) + len(c.token_ids)
             self.emitted_chars[c.index] = self.emitted_chars.get(c.index, 0) + len(c.text)
         return replace(out, outputs=outputs)
 
 
-def _cut(c: CompletionOutput, tokens: int, chars: int) -> CompletionOutput:
-    return replace(
-        c,
-        token_ids=c.token_ids[tokens:],
-        text=c.text[chars:],
-        logprobs=None if c.logprobs is None else c.logprobs[tokens:],
-        top_logprobs=None if c.top_logprobs is None else c.top_logprobs[tokens:],
-        weight_versions=c.weight_versions[tokens:],
-    )
-
-
-class AsyncEngine:
-    """An Engine whose step loop runs in a background thread; see the module docstring."""
+class AsyncEngine(AsyncFront):
+    """An Engine whose step loop runs in a background thread; see the module docstring.
+    ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process."""
 
     def __init__(self, model: str | Path, *, max_queued_requests: int | None = None, **engine_options: Any):
         self._start(Engine(model, **engine_options), owns_engine=True, max_queued=max_queued_requests)
@@ -117,105 +103,29 @@ class AsyncEngine:
         return self
 
     def _start(self, engine: Engine, *, owns_engine: bool, max_queued: int | None) -> None:
-        if max_queued is not None and max_queued < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued}")
-        self.engine, self._owns_engine, self.max_queued_requests = engine, owns_engine, max_queued
+        self._init_front(max_queued)
+        self.engine, self._owns_engine = engine, owns_engine
         self.tokenizer = engine.tokenizer
+        self.model_path, self.tp_rank = str(engine.config.model), engine.tp.rank
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
         self._wake = threading.Event()
         self._channels: dict[Hashable, _Channel] = {}  # loop thread only
-        self._count_lock = threading.Lock()
-        self._in_flight = 0  # requests submitted and not yet ended, counted on the callers' side
-        self._paused: PauseMode | None = None
         self._stalled = False  # the last step raised with requests left in flight: wait for a command
-        self._stopping = False
-        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="rollout-async-engine", daemon=True)
         self._thread.start()
 
-    # -- facts ------------------------------------------------------------------------------------
-    @property
-    def paused(self) -> PauseMode | None:
-        """The pause mode in effect, or None while generating."""
-        return self._paused
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._in_flight
-
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompts: str | None = None,
-        sampling_params: SamplingParams | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        request_id: Hashable | None = None,
-    ) -> RequestOutput:
-        """Generate one prompt (text or one token list); returns its whole RequestOutput."""
-        final = None
-        async for out in self._submit(prompts, sampling_params, input_ids, request_id, stream=False):
-            final = out
-        assert final is not None
-        return final
-
-    async def stream(
-        self,
-        prompts: str | None = None,
-        sampling_params: SamplingParams | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        request_id: Hashable | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield one prompt's outputs as they come: each holds the tokens, logprobs, weight versions
-        and text added since the previous one; the last has `finished=True` and the finish reasons."""
-        async for out in self._submit(prompts, sampling_params, input_ids, request_id, stream=True):
-            yield out
-
-    async def _submit(
-        self,
-        prompt: Any,
-        params: SamplingParams | None,
-        input_ids: Any,
-        request_id: Hashable | None,
-        *,
-        stream: bool,
-    ) -> AsyncIterator[RequestOutput]:
-        if prompt is not None and not isinstance(prompt, str):
-            raise TypeError("prompts must be one str (AsyncEngine takes one prompt per call)")
-        rid = uuid.uuid4().hex if request_id is None else request_id
-        self._reserve()
+    async def _open(
+        self, rid: Hashable, prompt: str | None, input_ids: Any, params: Any, stream: bool
+    ) -> asyncio.Queue:
         ch = _Channel(asyncio.get_running_loop(), asyncio.Queue(), stream)
-        added = finished = False
-        try:
-            await self._call(functools.partial(self._add, rid, ch, prompt, input_ids, params))
-            added = True
-            while not finished:
-                item = await ch.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._release()
-            if added and not finished:  # the caller went away (cancelled, disconnected): free its pages
-                self._post(functools.partial(self._abort_now, rid))
+        await self._call(functools.partial(self._add, rid, ch, prompt, input_ids, params))
+        return ch.queue
 
-    def _reserve(self) -> None:
-        with self._count_lock:
-            if self._closed or self._stopping:
-                raise RuntimeError("the AsyncEngine was shut down")
-            if self.max_queued_requests is not None and self._in_flight >= self.max_queued_requests:
-                raise QueueFullError(
-                    f"{self._in_flight} requests in flight (max_queued_requests={self.max_queued_requests})"
-                )
-            self._in_flight += 1
-
-    def _release(self) -> None:
-        with self._count_lock:
-            self._in_flight -= 1
+    def _cancel(self, rid: Hashable) -> None:
+        self._post(functools.partial(self._abort_now, rid))
 
     def _add(self, rid: Hashable, ch: _Channel, prompt: Any, input_ids: Any, params: Any) -> None:
         if rid in self._channels:
@@ -342,10 +252,6 @@ class AsyncEngine:
             self.engine.shutdown()
 
     # -- lifetime ---------------------------------------------------------------------------------
-    async def shutdown(self) -> None:
-        """Stop the loop thread; requests in flight end as aborted. Safe to call twice."""
-        await asyncio.get_running_loop().run_in_executor(None, self.close)
-
     def close(self) -> None:
         """`shutdown` for callers outside an event loop."""
         with self._count_lock:
@@ -353,12 +259,6 @@ class AsyncEngine:
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-
-    async def __aenter__(self) -> AsyncEngine:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.shutdown()
 
 
 def _forward(name: str) -> Callable[..., Any]:

@@ -21,6 +21,7 @@ import itertools
 import multiprocessing as mp
 import pickle
 import weakref
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,15 @@ from rollout.engine import Engine
 from rollout.weights.bucket import empty_buffer, pack
 from rollout.wire import CLOSE, GET, Call, RemoteTraceback, Reply, error_reply, unwrap
 
-__all__ = ["EngineProcess", "PendingCall", "RemoteTraceback"]
+__all__ = [
+    "EngineProcess",
+    "PendingCall",
+    "RemoteTraceback",
+    "encode_args",
+    "handle_call",
+    "reap",
+    "serve_child",
+]
 
 KILL_GRACE_S = 3.0  # after terminate(), how long a child gets before it is killed
 BUCKET_FROM = 32  # CPU tensor lists at least this long cross as one bucket
@@ -78,14 +87,10 @@ class EngineProcess:
         """Send `engine.method(*args, **kwargs)` without waiting for it."""
         if self._closed:
             raise RuntimeError("the engine process is closed")
-        devices: set = set()
-        if method == "update_weights_from_tensor":
-            args, kwargs = _cpu_list_as_bucket(args, kwargs)
-        payload = ForkingPickler.dumps((ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)))
-        ipc.ready_for_peer(devices)
+        payload, devices = encode_args(method, args, kwargs)
         call_id = next(self._ids)
         try:
-            self._conn.send(Call(call_id, method, (bytes(payload),), {}))
+            self._conn.send(Call(call_id, method, (payload,), {}))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self._proc.join(timeout=5)
             self._closed = True
@@ -164,6 +169,12 @@ def _stop_child(conn: Any, proc: Any, timeout: float = 30.0) -> None:
         conn.send(Call(0, CLOSE, (), {}))
     except (OSError, ValueError):
         pass
+    reap(proc, timeout)
+    conn.close()
+
+
+def reap(proc: Any, timeout: float) -> None:
+    """Wait `timeout` for a child asked to stop, then terminate it, then kill it; it is always reaped."""
     proc.join(timeout)
     if proc.is_alive():
         proc.terminate()
@@ -171,7 +182,17 @@ def _stop_child(conn: Any, proc: Any, timeout: float = 30.0) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join(KILL_GRACE_S)
-    conn.close()
+
+
+def encode_args(method: str, args: tuple, kwargs: dict) -> tuple[bytes, set]:
+    """A call's arguments pickled once, tensors as handles (see rollout/ipc.py); also the devices of
+    those tensors (the caller runs `ipc.release()` after the answer when one is a GPU)."""
+    devices: set = set()
+    if method == "update_weights_from_tensor":
+        args, kwargs = _cpu_list_as_bucket(args, kwargs)
+    payload = ForkingPickler.dumps((ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)))
+    ipc.ready_for_peer(devices)
+    return bytes(payload), devices
 
 
 def _cpu_list_as_bucket(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -231,6 +252,12 @@ for _name in ENGINE_PROPERTIES:
 
 # -- the child ------------------------------------------------------------------------------------
 def _serve(conn: Any, model: str, options: dict) -> None:
+    serve_child(conn, model, options, _serve_calls)
+
+
+def serve_child(conn: Any, model: str, options: dict, loop: Callable[[Any, Any], None]) -> None:
+    """A spawned child's body: build the Engine, send its facts (or the start-up error), run
+    `loop(conn, engine)`, shut the engine down."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
@@ -242,12 +269,23 @@ def _serve(conn: Any, model: str, options: dict) -> None:
         conn.send(error_reply(0, e))
         conn.close()
         return
-    conn.send(Reply(0, True, {"device": str(engine.device), "dtype": str(engine.dtype)}))
+    conn.send(Reply(0, True, _facts(engine)))
     try:
-        _serve_calls(conn, engine)
+        loop(conn, engine)
     finally:
         engine.shutdown()
         conn.close()
+
+
+def _facts(engine: Any) -> dict:
+    return {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "model_path": str(engine.config.model),
+        "tp_rank": engine.tp.rank,
+        "max_model_len": engine.max_model_len,
+        "pool_tokens": engine.pool_tokens,
+    }
 
 
 def _serve_calls(conn: Any, engine: Any) -> None:
@@ -258,14 +296,15 @@ def _serve_calls(conn: Any, engine: Any) -> None:
             return  # the parent went away
         if req.method == CLOSE:
             return
-        reply = _handle(engine, req)
+        reply = handle_call(engine, req)
         try:
             conn.send(reply)
         except Exception as e:  # an answer that cannot be pickled becomes an error (nothing was written)
             conn.send(error_reply(req.id, e))
 
 
-def _handle(engine: Any, req: Call) -> Reply:
+def handle_call(engine: Any, req: Call) -> Reply:
+    """Run one Engine method or property read; errors become an error reply."""
     try:
         # unpickled here, not by recv(): arguments that cannot be rebuilt fail this call only
         args, kwargs = pickle.loads(req.args[0])

@@ -1,11 +1,15 @@
-"""EngineProcess's wire protocol: what crosses the pipe between the parent and the engine's child."""
+"""What crosses the pipe between a parent and an engine's child: EngineProcess's calls and answers, and
+the engine worker's (rollout/engine_worker.py) one update per step."""
 
 from __future__ import annotations
 
 import pickle
 import traceback
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from rollout.outputs import RequestOutput
 
 CLOSE = "__close__"  # stop serving
 GET = "__getattr__"  # read a property
@@ -50,3 +54,34 @@ def error_reply(call_id: int, e: BaseException) -> Reply:
         err = RuntimeError(f"{type(e).__name__}: {e}")
     err.__traceback__ = None
     return Reply(call_id, False, err, tb)
+
+
+class TokenDelta(NamedTuple):
+    """The tokens one sample of a streamed request gained in one step; no text (the parent decodes).
+    A tuple, not a dataclass: hundreds cross per step and tuples pickle smaller and faster."""
+
+    request_id: Hashable
+    sample: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    weight_versions: list[int]
+    finish_reason: str | None  # set when this sample ended while others of its request go on
+    stop_reason: str | int | None
+    stop_text: str | None  # the text a stop string cut, when one did (the parent cannot know it)
+
+
+@dataclass
+class Update:
+    """One message of the engine worker per loop turn: the answers to the commands it ran, the whole
+    outputs of the requests that ended (finished or aborted), the new tokens of streamed requests that
+    go on, and the requests a failed step ended, with its error."""
+
+    replies: list[Reply] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+    tokens: list[TokenDelta] = field(default_factory=list)
+    failed: list[Hashable] = field(default_factory=list)
+    error: Reply | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.replies or self.finished or self.tokens or self.failed)

@@ -1,15 +1,22 @@
 """Serving throughput (GPU): the HTTP server with CUDA graphs under 256 concurrent streaming clients,
-beside the same workload through Engine.generate in the same process; prints output tok/s and the ratio.
+beside the same workload through Engine.generate; prints output tok/s and the ratios in one run.
 
 The workload: 256 requests with random prompt tokens, input lengths 100-1024 and output lengths 100-512
 (fixed seed), temperature 0.6, ignore_eos. Each client streams its request over SSE (/generate with
 stream=true with --endpoint generate; by default /v1/completions deltas) from a separate
-process on 127.0.0.1 and counts the tokens it receives. Engine.generate runs first, then the same
-engine is served (one KV pool, one set of graphs).
+process on 127.0.0.1 and counts the tokens it receives.
+
+Serving modes (--mode, default both):
+- thread: AsyncEngine, the step loop in a thread of the server's process (the engine Engine.generate
+  just ran, one KV pool, one set of graphs);
+- process: ProcessAsyncEngine, the engine in a child process of the server (as `python -m rollout.serve`
+  runs it by default).
+Each phase runs in a process of its own, so two engines never hold the device at once.
 
     python scripts/bench_serve.py --model qwen2.5-0.5b          # random checkpoint, real shapes
-    python scripts/bench_serve.py --model path/to/hf/ckpt --clients 256
-    python scripts/bench_serve.py --model tiny --device cpu --requests 16 --clients 16   # dry run
+    python scripts/bench_serve.py --model path/to/hf/ckpt --clients 256 --mode process
+    python scripts/bench_serve.py --model tiny --device cpu --requests 16 --clients 16 --max-input 200 \
+        --max-output 64   # dry run (on a small CPU set OMP_NUM_THREADS=1: the processes share its cores)
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import SHAPES, bench_model  # noqa: E402
 
-from rollout import AsyncEngine, Engine, SamplingParams  # noqa: E402
+from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
+from rollout.models.config import ModelConfig  # noqa: E402
 
 
 def workload(vocab: int, seed: int, num: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[int]]:
@@ -52,7 +60,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int]) -> flo
     return sum(len(o.outputs[0].token_ids) for o in done) / seconds
 
 
-def serve(engine: Engine) -> tuple[str, object]:
+def serve(front: object) -> tuple[str, object]:
+    """The app over `front` (an AsyncEngine or a ProcessAsyncEngine), served by uvicorn in a thread."""
     import uvicorn
 
     from rollout.serve import build_app
@@ -60,7 +69,7 @@ def serve(engine: Engine) -> tuple[str, object]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_app(AsyncEngine.from_engine(engine), model_name="bench")
+    app = build_app(front, model_name="bench")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", backlog=4096))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -127,11 +136,50 @@ def run_clients_elsewhere(url: str, prompts: list, outs: list, clients: int, end
         proc.join(10)
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, cuda_graph=bool(args.cuda_graph), max_running_requests=256)
+
+
+def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
+    """Engine.generate, then (with --mode thread or both) the same engine served by AsyncEngine."""
+    engine = Engine(folder, **engine_options(args))
+    found = {"engine_generate_tok_s": run_engine(engine, prompts, outs)}
+    if args.mode in ("thread", "both"):
+        engine.flush_cache()  # the served run computes its prompts too
+        url, server = serve(AsyncEngine.from_engine(engine))
+        found["thread_stream_tok_s"] = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
+        server.should_exit = True
+    result.put(found)
+
+
+def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
+    """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
+    front = ProcessAsyncEngine(folder, **engine_options(args))
+    url, server = serve(front)
+    served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
+    server.should_exit = True  # its lifespan shuts the engine process down
+    result.put({"process_stream_tok_s": served})
+
+
+def in_own_process(phase, *args) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    proc = ctx.Process(target=phase, args=(*args, result))
+    proc.start()
+    try:
+        return result.get(timeout=3600)
+    finally:
+        proc.join(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--model", default="qwen2.5-0.5b", help=f"a checkpoint folder, 'tiny', or one of {sorted(SHAPES)}"
     )
+    ap.add_argument("--mode", choices=["thread", "process", "both"], default="both", help="serving modes")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--clients", type=int, default=256, help="concurrent streaming clients")
     ap.add_argument("--max-input", type=int, default=1024)
@@ -148,26 +196,28 @@ def main() -> None:
         folder = default_model_dir()
     else:
         folder = bench_model(args.model) if args.model in SHAPES else Path(args.model)
-    engine = Engine(folder, device=args.device, cuda_graph=bool(args.cuda_graph), max_running_requests=256)
-    vocab = engine.model_config.vocab_size
-    max_in = min(args.max_input, engine.max_model_len - args.max_output)
-    prompts, outs = workload(vocab, args.seed, args.requests, max_in, args.max_output)
-    direct = run_engine(engine, prompts, outs)
-    engine.flush_cache()  # the served run computes its prompts too
-    url, server = serve(engine)
-    served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
-    server.should_exit = True
+    mc = ModelConfig.from_path(folder)
+    max_in = min(args.max_input, mc.max_position_embeddings - args.max_output)
+    prompts, outs = workload(mc.vocab_size, args.seed, args.requests, max_in, args.max_output)
     result = {
         "model": str(args.model),
+        "device": args.device,
         "requests": args.requests,
         "clients": args.clients,
         "endpoint": args.endpoint,
-        "engine_generate_tok_s": round(direct, 1),
-        "server_stream_tok_s": round(served, 1),
-        "ratio": round(served / direct, 3),
     }
+    result |= in_own_process(thread_phase, folder, args, prompts, outs)
+    if args.mode in ("process", "both"):
+        result |= in_own_process(process_phase, folder, args, prompts, outs)
+    direct = result["engine_generate_tok_s"]
+    for mode in ("thread", "process"):
+        if f"{mode}_stream_tok_s" in result:
+            served = result[f"{mode}_stream_tok_s"]
+            ratio = served / direct
+            result[f"{mode}_ratio"] = round(ratio, 3)
+            print(f"{mode} server / Engine.generate output tok/s: {served:.0f} / {direct:.0f} = {ratio:.3f}")
+    result = {k: round(v, 1) if k.endswith("tok_s") else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
-    print(f"server / Engine.generate output tok/s: {served:.0f} / {direct:.0f} = {served / direct:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

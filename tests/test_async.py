@@ -1,16 +1,20 @@
-"""AsyncEngine: many callers over one step loop; abort, the pause modes, updates while paused, per-token
-weight versions, partial-rollout resume, shutdown with requests in flight."""
+"""AsyncEngine and ProcessAsyncEngine (the step loop in a thread / in a child process): many callers over
+one step loop; abort, the pause modes, updates while paused, per-token weight versions, partial-rollout
+resume, shutdown with requests in flight, a child that dies."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from helpers import PROMPTS
 
-from rollout import AsyncEngine, Engine, SamplingParams
+from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=True)
 LONG = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True, logprobs=True)
@@ -21,12 +25,29 @@ def engine(qwen3_dir):
     return Engine(qwen3_dir, device="cpu", max_total_tokens=8192, page_size=4)
 
 
-@pytest.fixture
-def aengine(engine):
-    ae = AsyncEngine.from_engine(engine)
+OPTIONS = dict(device="cpu", max_total_tokens=8192, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def process_engine(qwen3_dir):
+    ae = ProcessAsyncEngine(qwen3_dir, **OPTIONS)
     yield ae
     ae.close()
-    assert not engine.has_unfinished()
+
+
+@pytest.fixture(params=["thread", "process"])
+def aengine(request, engine):
+    """The reference `engine` and an async engine over the same checkpoint: in thread mode it drives
+    `engine` itself; in process mode a child's engine (one per module, its state checked clean)."""
+    if request.param == "thread":
+        ae = AsyncEngine.from_engine(engine)
+        yield ae
+        ae.close()
+    else:
+        ae = request.getfixturevalue("process_engine")
+        yield ae
+        assert ae.num_in_flight == 0
+    assert ae.stats.requests == 0
 
 
 def _greedy(engine, prompt, params=GREEDY):
@@ -88,7 +109,7 @@ def test_abort_returns_partial_output_and_frees_pages(engine, aengine):
         task = asyncio.create_task(
             aengine.generate(input_ids=PROMPTS[1], sampling_params=LONG, request_id="x")
         )
-        while engine.stats.decode_tokens == 0 or not engine.has_unfinished():
+        while aengine.stats.decode_tokens == 0 or not aengine.stats.requests:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert await aengine.abort("x")
@@ -98,13 +119,14 @@ def test_abort_returns_partial_output_and_frees_pages(engine, aengine):
     out = asyncio.run(run()).outputs[0]
     assert out.finish_reason == "abort" and 0 < len(out.token_ids) < LONG.max_new_tokens
     assert len(out.logprobs) == len(out.token_ids) == len(out.weight_versions)
-    assert engine.stats.requests == 0 and engine.stats.pages_free == engine.stats.pages_total
+    stats = aengine.stats
+    assert stats.requests == 0 and stats.pages_free == stats.pages_total
     full = _greedy(engine, PROMPTS[1], LONG).token_ids
     assert out.token_ids == full[: len(out.token_ids)]
 
 
 def test_pause_abort_ends_requests_and_allows_an_update(engine, aengine):
-    before = engine.get_weights_by_name("lm_head.weight")
+    before = engine.get_weights_by_name("lm_head.weight")  # equal in both engines
 
     async def run():
         stream = aengine.stream(input_ids=PROMPTS[0], sampling_params=LONG)
@@ -129,7 +151,8 @@ def test_retract_update_continue_resumes_with_new_weights(engine, aengine):
         stream = aengine.stream(input_ids=PROMPTS[2], sampling_params=LONG)
         got = await _wait_tokens(aengine, stream, 4)
         await aengine.pause_generation("retract")
-        assert engine.stats.running == 0 and engine.stats.requests == 1
+        stats = aengine.stats
+        assert stats.running == 0 and stats.requests == 1
         v = await aengine.update_weights_from_tensor(_noisy_state(engine, 1))
         await aengine.continue_generation()
         got += [o async for o in stream]
@@ -138,7 +161,7 @@ def test_retract_update_continue_resumes_with_new_weights(engine, aengine):
     try:
         got, _ = asyncio.run(run())
     finally:
-        engine.update_weights_from_tensor([("lm_head.weight", old)])
+        asyncio.run(aengine.update_weights_from_tensor([("lm_head.weight", old)]))
     tokens = sum((o.outputs[0].token_ids for o in got), [])
     versions = sum((o.outputs[0].weight_versions for o in got), [])
     assert got[-1].outputs[0].finish_reason == "length" and len(tokens) == LONG.max_new_tokens
@@ -150,12 +173,13 @@ def test_retract_update_continue_resumes_with_new_weights(engine, aengine):
 def test_in_place_pause_keeps_pages_and_refuses_updates(engine, aengine):
     async def run():
         task = asyncio.create_task(aengine.generate(input_ids=PROMPTS[3], sampling_params=GREEDY))
-        while engine.stats.decode_tokens == 0 or not engine.has_unfinished():
+        while aengine.stats.decode_tokens == 0 or not aengine.stats.requests:
             await asyncio.sleep(0.01)
         await aengine.pause_generation("in_place")
-        steps = engine.stats.steps
+        steps = aengine.stats.steps
         await asyncio.sleep(0.1)
-        assert engine.stats.steps == steps and engine.stats.running == 1  # no step, pages kept
+        stats = aengine.stats
+        assert stats.steps == steps and stats.running == 1  # no step, pages kept
         with pytest.raises(RuntimeError, match="in flight"):
             await aengine.flush_cache() or await aengine.update_weights_from_tensor(_noisy_state(engine, 2))
         await aengine.continue_generation()
@@ -169,20 +193,20 @@ def test_partial_rollout_resumes_without_recomputing_its_prefix(engine, aengine)
     full = _greedy(engine, PROMPTS[3], LONG).token_ids
 
     async def run():
-        start = engine.stats.decode_tokens
+        start = aengine.stats.decode_tokens
         task = asyncio.create_task(
             aengine.generate(input_ids=PROMPTS[3], sampling_params=LONG, request_id="p")
         )
-        while engine.stats.decode_tokens < start + 10:
+        while aengine.stats.decode_tokens < start + 10:
             await asyncio.sleep(0.01)
         await aengine.abort("p")
         part = (await task).outputs[0].token_ids
-        before = engine.stats.prefill_tokens
+        before = aengine.stats.prefill_tokens
         rest = SamplingParams(
             temperature=0.0, max_new_tokens=LONG.max_new_tokens - len(part), ignore_eos=True
         )
         tail = await aengine.generate(input_ids=PROMPTS[3] + part, sampling_params=rest)
-        return part, tail.outputs[0].token_ids, engine.stats.prefill_tokens - before
+        return part, tail.outputs[0].token_ids, aengine.stats.prefill_tokens - before
 
     part, tail, prefilled = asyncio.run(run())
     assert part + tail == full
@@ -191,9 +215,10 @@ def test_partial_rollout_resumes_without_recomputing_its_prefix(engine, aengine)
     assert prefilled <= 2 * engine.stats.page_size < len(PROMPTS[3])
 
 
-def test_shutdown_with_requests_in_flight_aborts_them(qwen3_dir):
+@pytest.mark.parametrize("kind", [AsyncEngine, ProcessAsyncEngine])
+def test_shutdown_with_requests_in_flight_aborts_them(qwen3_dir, kind):
     async def run():
-        ae = AsyncEngine(qwen3_dir, device="cpu", max_total_tokens=4096, page_size=4)
+        ae = kind(qwen3_dir, device="cpu", max_total_tokens=4096, page_size=4)
         tasks = [asyncio.create_task(ae.generate(input_ids=p, sampling_params=LONG)) for p in PROMPTS]
         while ae.stats.decode_tokens == 0:
             await asyncio.sleep(0.01)
@@ -207,8 +232,12 @@ def test_shutdown_with_requests_in_flight_aborts_them(qwen3_dir):
     assert all(o.outputs[0].finish_reason == "abort" for o in outs)
 
 
-def test_queue_limit_and_bad_inputs_raise(engine):
-    ae = AsyncEngine.from_engine(engine, max_queued_requests=2)
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_queue_limit_and_bad_inputs_raise(engine, qwen3_dir, mode):
+    if mode == "thread":
+        ae = AsyncEngine.from_engine(engine, max_queued_requests=2)
+    else:
+        ae = ProcessAsyncEngine(qwen3_dir, max_queued_requests=2, **OPTIONS)
     try:
 
         async def run():
@@ -225,3 +254,59 @@ def test_queue_limit_and_bad_inputs_raise(engine):
         assert asyncio.run(ae.generate(input_ids=[5], sampling_params=GREEDY)).outputs[0].token_ids
     finally:
         ae.close()
+
+
+def test_child_death_fails_pending_requests_and_calls_clearly(qwen3_dir):
+    async def run():
+        ae = ProcessAsyncEngine(qwen3_dir, **OPTIONS)
+        tasks = [asyncio.create_task(ae.generate(input_ids=p, sampling_params=LONG)) for p in PROMPTS]
+        while ae.stats.decode_tokens == 0:
+            await asyncio.sleep(0.01)
+        os.kill(ae.pid, signal.SIGKILL)
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        with pytest.raises(RuntimeError, match="died"):
+            await ae.flush_cache()
+        with pytest.raises(RuntimeError, match="died"):
+            await ae.generate(input_ids=[1, 2], sampling_params=GREEDY)
+        assert not ae.alive
+        await ae.shutdown()
+        return done
+
+    done = asyncio.run(run())
+    assert all(isinstance(d, RuntimeError) and "died (exit code -9)" in str(d) for d in done)
+
+
+def test_process_stream_text_and_stop_strings_equal_thread_mode(engine, process_engine):
+    """Text prompts are encoded and stream text decoded in the parent: the same deltas as the thread
+    mode's (whose text comes from the engine), also where a stop string cuts the text (the cut comes
+    from the child) and with n > 1; the tokens equal Engine.generate's."""
+    free = SamplingParams(temperature=0.8, max_new_tokens=24, ignore_eos=True, n=3, seed=7)
+    stop = engine.generate("ab c", free)[0].outputs[0].text[5:7]  # sample 0 (seeded) meets it
+    params = replace(free, stop=[stop])
+    want = engine.generate("ab c", params)[0]
+
+    def per_sample(ae) -> dict:
+        async def run():
+            return [o async for o in ae.stream("ab c", params)]
+
+        outs = asyncio.run(run())
+        assert outs[-1].finished and outs[-1].prompt == "ab c"
+        assert outs[0].prompt_token_ids == engine.tokenizer.encode("ab c")
+        got = {}
+        for c in want.outputs:
+            mine = [d for o in outs for d in o.outputs if d.index == c.index]
+            last = mine[-1]
+            got[c.index] = (sum((d.token_ids for d in mine), []), "".join(d.text for d in mine), last)
+        return got
+
+    thread = AsyncEngine.from_engine(engine)
+    try:
+        expected = per_sample(thread)
+    finally:
+        thread.close()
+    got = per_sample(process_engine)
+    for c in want.outputs:
+        tokens, text, last = got[c.index]
+        assert tokens == c.token_ids and text == expected[c.index][1]
+        assert (last.finish_reason, last.stop_reason) == (c.finish_reason, c.stop_reason)
+    assert any(c.stop_reason == stop for c in want.outputs)

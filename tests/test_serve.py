@@ -1,6 +1,7 @@
 """The HTTP server over 127.0.0.1 with real clients: the openai client (completions, chat, streaming,
 logprobs, token ids, equal to the engine's greedy outputs), httpx with SGLang's JSON, errors, auth,
-the queue limit, a load test, and SIGTERM of `python -m rollout.serve`."""
+the queue limit, a load test, and SIGTERM of `python -m rollout.serve`; each over the engine in a thread
+(AsyncEngine) and in a child process (ProcessAsyncEngine)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,30 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from rollout import AsyncEngine, Engine, SamplingParams
+from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams
 
 KEY = "sekrit"
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if tools %}t:{{ tools | length }}\n{% endif %}{% if add_generation_prompt %}a:{% endif %}"
 )
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def _free_port() -> int:
@@ -42,13 +56,17 @@ def chat_dir(qwen3_dir, tmp_path_factory):
     return str(folder)
 
 
+MODES = ["thread", "process"]
+
+
 class Server:
-    def __init__(self, model: str, **kw):
+    def __init__(self, model: str, mode: str, **kw):
         import uvicorn
 
         from rollout.serve import build_app
 
-        self.engine = AsyncEngine(model, device="cpu", max_total_tokens=8192, page_size=4, **kw)
+        kind = AsyncEngine if mode == "thread" else ProcessAsyncEngine
+        self.engine = kind(model, device="cpu", max_total_tokens=8192, page_size=4, **kw)
         self.port = _free_port()
         app = build_app(self.engine, model_name="tiny", api_key=KEY)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
@@ -63,9 +81,9 @@ class Server:
         self.thread.join(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def server(chat_dir):
-    s = Server(chat_dir, max_queued_requests=300)
+@pytest.fixture(scope="module", params=MODES)
+def server(chat_dir, request):
+    s = Server(chat_dir, request.param, max_queued_requests=300)
     yield s
     s.stop()
 
@@ -219,8 +237,9 @@ def test_load_200_concurrent_clients_all_answered(server, ref):
     assert [a.json()["output_ids"] for a in answers] == [want[tuple(p)] for p in prompts]
 
 
-def test_queue_limit_answers_503(chat_dir):
-    s = Server(chat_dir, max_queued_requests=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_queue_limit_answers_503(chat_dir, mode):
+    s = Server(chat_dir, mode, max_queued_requests=2)
     try:
         sp = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
 
@@ -238,9 +257,11 @@ def test_queue_limit_answers_503(chat_dir):
         s.stop()
 
 
-def test_sigterm_exits_zero_with_requests_in_flight(chat_dir):
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_exits_zero_with_requests_in_flight(chat_dir, mode):
     port = _free_port()
     cmd = [sys.executable, "-m", "rollout.serve", "--model", chat_dir, "--port", str(port), "--device", "cpu"]
+    cmd += ["--engine-mode", mode]
     proc = subprocess.Popen(cmd + ["--max-total-tokens", "4096", "--graceful-shutdown-s", "2"])
     try:
         url = f"http://127.0.0.1:{port}"
@@ -259,9 +280,15 @@ def test_sigterm_exits_zero_with_requests_in_flight(chat_dir):
         )
         t.start()
         time.sleep(1.0)
+        children = _children(proc.pid)
+        assert mode == "thread" or children  # the engine worker
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         t.join(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{c}").exists() for c in children)  # no child outlives the server
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,8 @@
 """python -m rollout.serve --model PATH [--host 127.0.0.1] [--port 30000] [--api-key KEY] [engine options]
 
 Engine options are EngineConfig's fields as flags (--max-total-tokens 4096, --no-cuda-graph, ...).
+The engine runs in a child process (ProcessAsyncEngine) so the HTTP work never holds up its step loop;
+--engine-mode thread keeps it in a thread of the server's process (AsyncEngine).
 SIGTERM or Ctrl-C: stop accepting, let the open requests finish (or abort them after
 --graceful-shutdown-s), shut the engine down, exit 0.
 """
@@ -47,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     ap.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     ap.add_argument("--max-queued-requests", type=int, default=4096, help="more in flight: answer 503")
     ap.add_argument("--graceful-shutdown-s", type=float, default=30.0)
+    ap.add_argument(
+        "--engine-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="the step loop in a child process (default) or in a thread of the server's process",
+    )
     names = _engine_flags(ap)
     args = ap.parse_args(argv)
     options = {
@@ -59,13 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from rollout.async_engine import AsyncEngine
+    from rollout.async_process import ProcessAsyncEngine
     from rollout.serve.app import build_app
     from rollout.toy import default_model_dir
 
     args, options = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model or str(default_model_dir())
-    engine = AsyncEngine(model, max_queued_requests=args.max_queued_requests, **options)
+    kind = ProcessAsyncEngine if args.engine_mode == "process" else AsyncEngine
+    engine = kind(model, max_queued_requests=args.max_queued_requests, **options)
     app = build_app(engine, model_name=args.served_model_name or Path(model).name, api_key=args.api_key)
     config = uvicorn.Config(
         app,

@@ -1,6 +1,7 @@
-"""The FastAPI app: OpenAI completions/chat, SGLang's /generate and control endpoints, over AsyncEngine.
+"""The FastAPI app: OpenAI completions/chat, SGLang's /generate and control endpoints, over an AsyncEngine
+or a ProcessAsyncEngine (the same methods; the step loop in a thread or in a child process).
 
-Every request goes to the one AsyncEngine (its step loop batches them); the handlers only translate JSON.
+Every request goes to the one engine (its step loop batches them); the handlers only translate JSON.
 Bad input is a 400 naming the field; a full queue is a 503; the server keeps serving after either.
 """
 
@@ -19,13 +20,14 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout.async_engine import AsyncEngine, QueueFullError
+from rollout.async_front import AsyncFront, QueueFullError
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling import SamplingParams
 from rollout.serve import protocol as P
+from rollout.stream_deltas import join
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncFront, *, model_name: str, api_key: str | None = None) -> FastAPI:
     """The app over `engine`; it shuts the engine down when the server stops."""
 
     @asynccontextmanager
@@ -73,7 +75,7 @@ def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------
-def _openai(app: FastAPI, engine: AsyncEngine, model_name: str, auth: list) -> None:
+def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> None:
     tok = engine.tokenizer
 
     @app.get("/v1/models", dependencies=auth)
@@ -160,7 +162,7 @@ def _prompt_list(prompt: Any) -> list[dict[str, Any]]:
 
 
 async def _gather(
-    engine: AsyncEngine, prompts: list[dict], params: SamplingParams, rid: str
+    engine: AsyncFront, prompts: list[dict], params: SamplingParams, rid: str
 ) -> list[RequestOutput]:
     import asyncio
 
@@ -224,7 +226,7 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
 
 
 async def _stream_completion(
-    engine: AsyncEngine, prompts: list[dict], params: SamplingParams, rid: str, model: str, req: Any
+    engine: AsyncFront, prompts: list[dict], params: SamplingParams, rid: str, model: str, req: Any
 ) -> AsyncIterator[dict]:
     for i, p in enumerate(prompts):  # one prompt after the other: each streams as it is generated
         first = True
@@ -245,7 +247,7 @@ async def _stream_completion(
 
 
 async def _stream_chat(
-    engine: AsyncEngine, ids: list[int], params: SamplingParams, rid: str, model: str, req: Any
+    engine: AsyncFront, ids: list[int], params: SamplingParams, rid: str, model: str, req: Any
 ) -> AsyncIterator[dict]:
     first = True
     async for out in engine.stream(input_ids=ids, sampling_params=params, request_id=rid):
@@ -262,7 +264,7 @@ async def _stream_chat(
 
 
 # -- SGLang ---------------------------------------------------------------------------------------
-def _sglang(app: FastAPI, engine: AsyncEngine, model_name: str, auth: list) -> None:
+def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> None:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
@@ -275,7 +277,7 @@ def _sglang(app: FastAPI, engine: AsyncEngine, model_name: str, auth: list) -> N
 
     @app.get("/get_model_info", dependencies=auth)
     async def model_info() -> dict:
-        path = str(engine.engine.config.model)
+        path = str(engine.model_path)
         return {
             "model_path": path,
             "tokenizer_path": path,
@@ -382,7 +384,7 @@ def _sglang(app: FastAPI, engine: AsyncEngine, model_name: str, auth: list) -> N
         "/update_weights_from_tensor",
         P.TensorUpdateRequest,
         lambda r: engine.update_weights_from_tensor(
-            _unpickle(r.serialized_named_tensors, engine.engine.tp.rank),
+            _unpickle(r.serialized_named_tensors, engine.tp_rank),
             r.load_format,
             abort=r.abort_all_requests,
         ),
@@ -469,26 +471,13 @@ def _sglang_item(out: RequestOutput, c: CompletionOutput, logprob: bool, rid: An
 
 
 async def _stream_generate(
-    engine: AsyncEngine, prompt: dict, params: SamplingParams, rid: str, logprob: bool
+    engine: AsyncFront, prompt: dict, params: SamplingParams, rid: str, logprob: bool
 ) -> AsyncIterator[dict]:
     """SGLang streams the output so far in every chunk (cumulative), not deltas."""
     acc: dict[int, CompletionOutput] = {}
     async for out in engine.stream(sampling_params=params, request_id=rid, **prompt):
         for c in out.outputs:
             prev = acc.get(c.index)
-            acc[c.index] = c if prev is None else _join(prev, c)
+            acc[c.index] = c if prev is None else join(prev, c)
             if c.token_ids or c.finish_reason:
                 yield _sglang_item(out, acc[c.index], logprob, rid)
-
-
-def _join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(
-        index=a.index,
-        token_ids=a.token_ids + b.token_ids,
-        text=a.text + b.text,
-        logprobs=None if a.logprobs is None else a.logprobs + (b.logprobs or []),
-        top_logprobs=None if a.top_logprobs is None else a.top_logprobs + (b.top_logprobs or []),
-        finish_reason=b.finish_reason,
-        stop_reason=b.stop_reason,
-        weight_versions=a.weight_versions + b.weight_versions,
-    )
