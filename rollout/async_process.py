@@ -125,9 +125,9 @@ class ProcessAsyncEngine(AsyncFront):
             input_ids = normalize_prompts(prompt, None, self.tokenizer)[0][0]
         text = None
         if stream:
-            skip = (params or SamplingParams()).skip_special_tokens
+            p = params or SamplingParams()
             ids = list(input_ids) if isinstance(input_ids, list) else []
-            text = StreamedText(ids, prompt, self.tokenizer, skip)
+            text = StreamedText(ids, prompt, self.tokenizer, p.skip_special_tokens, p.stream_holdback)
         ch = _Channel(asyncio.get_running_loop(), asyncio.Queue(), prompt, text)
         with self._lock:
             if rid in self._channels:

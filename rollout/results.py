@@ -55,7 +55,11 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         if seq.detok is None:
             seq.detok = IncrementalText(tokenizer, p.skip_special_tokens)
         seq.detok.update(seq.output_ids)
-        shown = _final_text(seq, tokenizer) if seq.finish_reason else seq.detok.text
+        if seq.finish_reason:
+            shown = _final_text(seq, tokenizer)
+        else:
+            text = seq.detok.text
+            shown = text[: max(seq.num_emitted_chars, len(text) - p.stream_holdback)]
         text = shown[seq.num_emitted_chars :]
         seq.num_emitted_chars = len(shown)
     seq.num_emitted = end

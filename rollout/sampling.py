@@ -122,6 +122,14 @@ class SamplingParams:
         return self._stop
 
     @property
+    def stream_holdback(self) -> int:
+        """Characters a stream keeps back while unfinished: a stop string cut from the output may have
+        begun in them (at most its length less one), and text once streamed cannot be taken back."""
+        if not self._stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self._stop) - 1
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 

@@ -70,6 +70,7 @@ class StreamedText:
     prompt: str | None
     tokenizer: Any
     skip_special_tokens: bool
+    holdback: int = 0  # SamplingParams.stream_holdback
     samples: dict[int, _Sample] = field(default_factory=dict)
 
     def tokens(self, deltas: list[TokenDelta]) -> RequestOutput:
@@ -99,6 +100,8 @@ class StreamedText:
             for t in d.token_ids:
                 s.detok.push(t)
             shown = s.detok.text if d.stop_text is None else d.stop_text
+            if d.finish_reason is None:
+                shown = shown[: max(s.chars, len(shown) - self.holdback)]
             text, s.chars = shown[s.chars :], len(shown)
         elif d.stop_text is not None:
             text, s.chars = d.stop_text[s.chars :], len(d.stop_text)

@@ -308,5 +308,7 @@ def test_process_stream_text_and_stop_strings_equal_thread_mode(engine, process_
     for c in want.outputs:
         tokens, text, last = got[c.index]
         assert tokens == c.token_ids and text == expected[c.index][1]
+        # a stream never shows what a stop string later cuts: joined, it is the whole output's text
+        assert text == c.text
         assert (last.finish_reason, last.stop_reason) == (c.finish_reason, c.stop_reason)
     assert any(c.stop_reason == stop for c in want.outputs)
