@@ -242,7 +242,13 @@ def _serve(conn: Any, model: str, options: dict) -> None:
         conn.send(error_reply(0, e))
         conn.close()
         return
-    conn.send(Reply(0, True, {"device": str(engine.device), "dtype": str(engine.dtype)}))
+    # weight_order: a trainer packs buckets in this order so that each loads as one copy
+    info = {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "weight_order": engine.weights.storage_order(),
+    }
+    conn.send(Reply(0, True, info))
     try:
         _serve_calls(conn, engine)
     finally:
