@@ -44,6 +44,7 @@ class WeightManager:
         self._missing: set[str] = set()  # HF names not loaded since the weights were discarded
         self._groups: dict[str, broadcast.UpdateGroup] = {}
         self.plans = PlanCache(model)
+        self._order: list[str] | None = None  # storage_order(): the storage never moves
 
     # -- validity ---------------------------------------------------------------------------------
     def discard(self) -> None:
@@ -117,6 +118,11 @@ class WeightManager:
     def storage_order(self) -> list[str]:
         """The HF names in the order their bytes lie in the engine's weight storage: a bucket packed in
         this order, in the engine's dtype, loads as one copy per contiguous run."""
+        if self._order is None:
+            self._order = self._storage_order()
+        return list(self._order)
+
+    def _storage_order(self) -> list[str]:
         names = self.model.hf_names()
         if getattr(self.model, "weight_storage", None) is None or self.tp.size != 1:
             return names  # a rank's slices are not the bytes a trainer packs: any order will do
