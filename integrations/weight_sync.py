@@ -11,15 +11,22 @@ names every parameter as Hugging Face does, and sends buckets of about `bucket_b
 FSDP2 shards (DTensors) are gathered one parameter at a time while its bucket is packed, so the extra
 memory is about one bucket. Every rank of an FSDP2 job must call `sync_weights` (the gathers are
 collectives); ranks without an engine pass `engine=None`.
+
+Per-sync host work is kept off the per-tensor path: buckets are packed in the order the engine stores
+its weights (so the engine loads each as one copy), their layouts are computed once per parameter
+signature, plain tensors are packed by one multi-tensor copy, and the pack buffers of an engine are kept
+from one sync to the next (`keep_buffers`), so an EngineProcess maps them once, not at every sync.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +34,7 @@ from torch import nn
 
 from rollout import ipc
 from rollout.weights import broadcast as bc
-from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, write
+from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, view, write
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -109,52 +116,105 @@ def plan_buckets(
 ) -> list[_Bucket]:
     """Group parameters in order into buckets of at most `bucket_bytes` (a larger tensor goes alone),
     laid out back to back as the receiver rebuilds them."""
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    size = 0
-    for name, p in named:
-        nbytes = math.prod(p.shape) * (dtype or p.dtype).itemsize
-        if not groups or size + nbytes > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, p))
-        size += nbytes
+    specs = tuple((n, (dtype or p.dtype), tuple(p.shape)) for n, p in named)
+    params = [p for _, p in named]
     return [
-        _Bucket(
-            [p for _, p in g],
-            layout([n for n, _ in g], [dtype or p.dtype for _, p in g], [p.shape for _, p in g]),
-        )
-        for g in groups
+        _Bucket(params[start : start + len(metas)], metas) for start, metas in _layouts(specs, bucket_bytes)
     ]
 
 
-def _fill(buffer: torch.Tensor, bucket: _Bucket) -> FlattenedBucket:
-    for meta, t in zip(bucket.metas, bucket.tensors()):
-        write(buffer, meta, t)  # casts when the bucket's dtype differs; the gathered tensor is then freed
-    return FlattenedBucket(buffer[: bucket.nbytes], bucket.metas)
+@functools.lru_cache(maxsize=16)
+def _layouts(
+    specs: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...], bucket_bytes: int
+) -> tuple[tuple[int, list[TensorMeta]], ...]:
+    """(first index, metadata) of each bucket; a trainer syncs the same parameters every step, so this
+    per-tensor work runs once."""
+    groups: list[list[int]] = []
+    size = 0
+    for i, (_, dtype, shape) in enumerate(specs):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not groups or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return tuple(
+        (g[0], layout([specs[i][0] for i in g], [specs[i][1] for i in g], [specs[i][2] for i in g]))
+        for g in groups
+    )
+
+
+@dataclass
+class _PackBuffer:
+    """A byte buffer buckets are packed into, with the views of each layout packed into it so far (both
+    persist across syncs, the layouts coming from the `_layouts` cache)."""
+
+    tensor: torch.Tensor
+    slots: dict[int, tuple[list[TensorMeta], list[torch.Tensor]]] = field(default_factory=dict)
+
+    def views(self, metas: list[TensorMeta]) -> list[torch.Tensor]:
+        cached = self.slots.get(id(metas))
+        if cached is None or cached[0] is not metas:  # the id of a layout the cache dropped
+            cached = self.slots[id(metas)] = (metas, [view(self.tensor, m) for m in metas])
+        return cached[1]
+
+
+def _fill(buffer: _PackBuffer, bucket: _Bucket) -> FlattenedBucket:
+    aligned = all(m.offset % m.dtype.itemsize == 0 for m in bucket.metas)  # views, not copies
+    if not aligned or any(_is_dtensor(p) for p in bucket.params):
+        for meta, t in zip(bucket.metas, bucket.tensors()):
+            write(buffer.tensor, meta, t)  # casts to the bucket's dtype; the gathered tensor is then freed
+    else:  # one multi-tensor copy, casting on the way
+        torch._foreach_copy_(buffer.views(bucket.metas), bucket.params)
+    return FlattenedBucket(buffer.tensor[: bucket.nbytes], bucket.metas)
 
 
 # -- targets: where buckets go ---------------------------------------------------------------------
+# An engine's pack buffers, kept between syncs when asked (keep_buffers=True): an EngineProcess then
+# maps the same CUDA allocations at every sync instead of opening new IPC handles.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def release_sync_buffers(engine: Any) -> None:
+    """Free the pack buffers `sync_weights(..., keep_buffers=True)` keeps for `engine`."""
+    _KEPT.pop(engine, None)
+    ipc.release()
+
+
 class _Direct:
     """An Engine in this process: hand it the tensors (or one flattened buffer)."""
 
     name = "in-process"
 
-    def __init__(self, engine: Any, flatten: bool, abort: bool, capacity: int):
-        self.engine, self.flatten, self.abort, self.capacity = engine, flatten, abort, capacity
-        self.buffer: torch.Tensor | None = None
+    def __init__(self, engine: Any, flatten: bool, abort: bool, capacity: int, keep: bool):
+        self.engine, self.flatten, self.abort, self.capacity, self.keep = (
+            engine,
+            flatten,
+            abort,
+            capacity,
+            keep,
+        )
+        self.buffers: list[_PackBuffer | None] = list(_KEPT.get(engine, [None])) if keep else [None]
+        self.dtype = _engine_dtype(engine)
 
     def send(self, bucket: _Bucket) -> None:
         if self.flatten:
-            self.buffer = _ensure(self.buffer, self.capacity, _device(bucket.params[0]))
+            self.buffers[0] = _ensure(self.buffers[0], self.capacity, _device(bucket.params[0]))
             self.engine.update_weights_from_tensor(
-                _fill(self.buffer, bucket), load_format="flattened_bucket", abort=self.abort
+                _fill(self.buffers[0], bucket), load_format="flattened_bucket", abort=self.abort
             )
         else:
-            named = [(m.name, t.to(m.dtype)) for m, t in zip(bucket.metas, bucket.tensors())]
+            # the engine's copy casts to its dtype, rounding as .to() does: no cast here, no temporaries
+            named = [
+                (m.name, t if m.dtype == self.dtype else t.to(m.dtype))
+                for m, t in zip(bucket.metas, bucket.tensors())
+            ]
             self.engine.update_weights_from_tensor(named, abort=self.abort)
 
     def finish(self) -> None:
-        self.buffer = None
+        if self.keep:
+            _KEPT[self.engine] = self.buffers
+        self.buffers = [None]
 
     cancel = finish
 
@@ -164,9 +224,11 @@ class _ToProcess:
 
     name = "ipc"
 
-    def __init__(self, engine: Any, abort: bool, capacity: int):
-        self.engine, self.abort, self.capacity = engine, abort, capacity
-        self.buffers: list[torch.Tensor | None] = [None, None]
+    def __init__(self, engine: Any, abort: bool, capacity: int, keep: bool):
+        self.engine, self.abort, self.capacity, self.keep = engine, abort, capacity, keep
+        self.buffers: list[_PackBuffer | None] = (
+            list(_KEPT.get(engine, [None, None])) if keep else [None, None]
+        )
         self.pending: deque = deque()
         self.sent = 0
 
@@ -195,17 +257,19 @@ class _ToProcess:
                 self.pending.popleft().result()
             except Exception:
                 pass
+        if self.keep:
+            _KEPT[self.engine] = self.buffers
         self.buffers = [None, None]
         ipc.release()
 
 
 def _ensure(
-    buf: torch.Tensor | None, capacity: int, device: torch.device, shared: bool = False
-) -> torch.Tensor:
+    buf: _PackBuffer | None, capacity: int, device: torch.device, shared: bool = False
+) -> _PackBuffer:
     """A buffer of `capacity` bytes (the largest bucket) on `device`, reused across buckets."""
-    if buf is not None and buf.numel() >= capacity and buf.device == torch.device(device):
+    if buf is not None and buf.tensor.numel() >= capacity and buf.tensor.device == torch.device(device):
         return buf
-    return empty_buffer(capacity, device, shared=shared)
+    return _PackBuffer(empty_buffer(capacity, device, shared=shared))
 
 
 # -- broadcast: the sender owns rank 0 -------------------------------------------------------------
@@ -248,7 +312,7 @@ class BroadcastSender:
         )
         self.on_update = on_update
         self._on_close: list[Callable[[], Any]] = []
-        self.buffer: torch.Tensor | None = None
+        self.buffer: _PackBuffer | None = None
         self.capacity = 0  # set by sync_weights: the largest bucket's bytes
 
     @property
@@ -362,7 +426,7 @@ def _settle_quietly(pending: Any) -> None:
 
 
 # -- the entry point -------------------------------------------------------------------------------
-def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int) -> Any:
+def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int, keep: bool) -> Any:
     from rollout.process import EngineProcess
 
     if engine is None:
@@ -373,12 +437,32 @@ def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int) -
         engine.capacity = capacity
         return engine
     if isinstance(engine, EngineProcess):
-        return _ToProcess(engine, abort, capacity)
+        return _ToProcess(engine, abort, capacity, keep)
     if hasattr(engine, "update_weights_from_tensor"):
-        return _Direct(engine, bool(flatten), abort, capacity)
+        return _Direct(engine, bool(flatten), abort, capacity, keep)
     raise TypeError(
         f"engine must be an Engine, EngineProcess, BroadcastSender or None, got {type(engine).__name__}"
     )
+
+
+def _engine_order(engine: Any) -> list[str] | None:
+    """The HF names in the engine's storage order (an Engine's weight manager, or an EngineProcess's
+    start-up info), or None when it is not known (a BroadcastSender's engines)."""
+    weights = getattr(engine, "weights", None)
+    if hasattr(weights, "storage_order"):
+        return weights.storage_order()
+    info = getattr(engine, "info", None)
+    return info.get("weight_order") if isinstance(info, dict) else None
+
+
+def in_order(
+    named: list[tuple[str, torch.Tensor]], order: list[str] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """`named` sorted as `order` lists the names; names it lacks keep their places after those it has."""
+    if not order:
+        return named
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(named, key=lambda item: rank.get(item[0], len(rank)))
 
 
 def _engine_dtype(engine: Any) -> torch.dtype | None:
@@ -401,6 +485,8 @@ def sync_weights(
     flatten: bool | None = None,
     abort: bool = False,
     verify: bool = False,
+    engine_order: bool = True,
+    keep_buffers: bool = True,
 ) -> SyncStats:
     """Copy every parameter of `model` into `engine` (Engine, EngineProcess, BroadcastSender, or None
     on ranks that only take part in FSDP2 gathers).
@@ -411,6 +497,10 @@ def sync_weights(
     abort: abort requests in flight in the engine instead of refusing the update.
     verify: then compare checksums of every tensor on both sides (integrations.verify_sync), raising
     WeightMismatchError naming the first that differs.
+    engine_order: pack buckets in the order the engine stores its weights, when it says (an Engine or
+    EngineProcess): a bucket in the engine's dtype then loads as one copy.
+    keep_buffers: keep the pack buffers (two for an EngineProcess, one for flatten=True) for the next
+    sync; `release_sync_buffers(engine)` frees them.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
@@ -420,8 +510,11 @@ def sync_weights(
         raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
     t0 = time.perf_counter()
     named = hf_named_parameters(model)
+    if engine_order:
+        named = in_order(named, _engine_order(engine))
     buckets = plan_buckets(named, bucket_bytes, dtype)
-    target = _target_for(engine, flatten, abort, max((b.nbytes for b in buckets), default=0))
+    capacity = max((b.nbytes for b in buckets), default=0)
+    target = _target_for(engine, flatten, abort, capacity, keep_buffers)
     if target is None:
         for b in buckets:  # take part in the gathers, send nothing
             if any(_is_dtensor(p) for p in b.params):

@@ -41,7 +41,7 @@ from rollout.scoring import ScoreOutput, check_score_inputs, score_groups, score
 from rollout.sequence import Request, Sequence
 from rollout.stop import StopChecker
 from rollout.weights import broadcast
-from rollout.weights.loader import load_checkpoint
+from rollout.weights.loader import build_model, load_checkpoint
 from rollout.weights.manager import WeightManager
 
 log = logging.getLogger("rollout")
@@ -89,6 +89,13 @@ class Engine:
     def __init__(self, model: str | Path, *, tp_group: Any = None, **options: Any):
         """`tp_group`: a ProcessGroup or 1-D DeviceMesh to shard the model over (default: groups of
         `tp_size` consecutive ranks of the torch.distributed world). See rollout/distributed.py."""
+        t0 = lap = time.perf_counter()
+        self.start_seconds: dict[str, float] = {}  # by phase; scripts/bench_start.py prints them
+
+        def done(phase: str) -> None:
+            nonlocal lap
+            self.start_seconds[phase], lap = time.perf_counter() - lap, time.perf_counter()
+
         self._lock = threading.RLock()
         self._closed = False
         self.config = cfg = EngineConfig(model=model, **options)
@@ -101,13 +108,21 @@ class Engine:
         self.dtype = cfg.torch_dtype(mc.torch_dtype)
         self._max_model_len = self._check_max_model_len()
         saver = make_memory_saver(cfg.enable_memory_saver, self.device)
-        t0 = time.perf_counter()
+        done("config")
         with saver.region("weights"):
-            self.model = model_class(mc.architecture)(
-                mc, dtype=self.dtype, device=self.device, max_positions=self._max_model_len, tp=tp
+            self.model = build_model(
+                model_class(mc.architecture),
+                mc,
+                dtype=self.dtype,
+                device=self.device,
+                max_positions=self._max_model_len,
+                tp=tp,
             )
-            load_checkpoint(self.model, cfg.model)
+            done("model")
+            load_checkpoint(self.model, cfg.model, fresh=True)
+            done("weights")
         self.tokenizer = _load_tokenizer(cfg.model)
+        done("tokenizer")
         # adapter slots before the KV pool, which is sized from what is left
         self.lora = (
             LoraManager(self.model, cfg.max_loras, cfg.max_lora_rank, self.dtype, self.device, tp)
@@ -117,6 +132,7 @@ class Engine:
         eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
         with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
+        done("kv_cache")
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.pages,
@@ -138,9 +154,11 @@ class Engine:
             lora=self.lora,
             eos_ids=eos_ids,
         )
+        done("runner")  # scheduler, attention backend, model runner
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
             self.runner.capture_graphs(max_bs, mc.hidden_size, self.dtype, saver.cuda_graph)
+        done("cuda_graphs")
         self.memory = MemoryManager(saver, self.device, self.model, self.kv)
         self.weights = WeightManager(self.model, mc, self.device, tp)
         self._rng = random.Random(cfg.seed)

@@ -285,6 +285,8 @@ def _facts(engine: Any) -> dict:
         "tp_rank": engine.tp.rank,
         "max_model_len": engine.max_model_len,
         "pool_tokens": engine.pool_tokens,
+        # a trainer packs buckets in this order so that each loads as one copy
+        "weight_order": engine.weights.storage_order(),
     }
 
 

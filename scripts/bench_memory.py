@@ -8,8 +8,9 @@ the real shapes, built once with transformers' Qwen2Config in bf16.
 
 Prints a markdown table (medians over the repeats): the host time of each call, the time until the
 device is idle after resume (the KV pool is zeroed on resume, asynchronously), and the memory each
-release gave back as torch.cuda.mem_get_info sees it. Target: kv_cache and cuda_graph release/resume
-and weights release/resume without backup under 50 ms each.
+release gave back as torch.cuda.mem_get_info sees it; then torch_memory_saver's own pause/resume of one
+region of the same bytes (KV pool, weight storage) in the same run, and the engine's ratio to it. Target:
+kv_cache and cuda_graph release/resume and weights release/resume without backup under 50 ms each.
 """
 
 from __future__ import annotations
@@ -69,6 +70,31 @@ def measure(engine: Engine, tag: str, keep: bool, repeats: int, host_weights) ->
     return {k: statistics.median(c) for k, c in zip(keys, cols)}
 
 
+def raw_primitive(nbytes: int, repeats: int) -> tuple[float, float]:
+    """Median ms of torch_memory_saver's own pause and resume (until idle) of one region of `nbytes`,
+    in this process and mode: the floor of the engine's release/resume of the same bytes."""
+    import torch_memory_saver
+
+    tms = torch_memory_saver.torch_memory_saver
+    with tms.region(tag="bench_raw"):
+        block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    pauses, resumes = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tms.pause("bench_raw")
+        t1 = time.perf_counter()
+        tms.resume("bench_raw")
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        pauses.append((t1 - t0) * 1e3)
+        resumes.append((t2 - t1) * 1e3)
+    with tms.region(tag="bench_raw"):  # freed inside a region, as torch_memory_saver requires
+        del block
+    torch.cuda.empty_cache()
+    return statistics.median(pauses), statistics.median(resumes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", type=Path, default=None, help="where to build/reuse the random checkpoint")
@@ -77,6 +103,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_memory.py needs a CUDA GPU")
+    try:
+        import torch_memory_saver  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench_memory.py needs torch_memory_saver: pip install torch-memory-saver") from None
 
     ckpt = bench_model("qwen2.5-1.5b", args.ckpt)
     host_weights = [(n, t.pin_memory()) for n, t in iter_checkpoint(safetensors_files(ckpt))]
@@ -115,6 +145,19 @@ def main() -> None:
     free_resumed = free_bytes()
     out = [o.outputs[0].token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
+    # the raw primitive on the same bytes, each while the engine's own copy is released (room for it)
+    raw = {}
+    for tag, nbytes in (
+        ("kv_cache", engine.kv.nbytes),
+        ("weights (no backup)", engine.model.weight_storage.numel()),
+    ):
+        engine_tag = tag.split()[0]
+        engine.release_memory_occupation(tags=[engine_tag])
+        raw[tag] = raw_primitive(nbytes, args.repeats)
+        engine.resume_memory_occupation(tags=[engine_tag])
+        if engine_tag == "weights":
+            resend_weights(engine, host_weights)
+
     name = torch.cuda.get_device_name()
     print(f"\n### Memory release/resume: Qwen2.5-1.5B shape (bf16), {name}, torch {torch.__version__}")
     kv_gib = engine.kv.nbytes / GiB
@@ -125,6 +168,15 @@ def main() -> None:
         print(
             f"| {tag} | {r['release_ms']:.1f} | {r['resume_ms']:.1f} | {r['resume_idle_ms']:.1f} "
             f"| {r['freed_gib']:.2f} | {r['restored_gib']:.2f} |"
+        )
+    print("\ntorch_memory_saver's own pause/resume of the same bytes (one region), and the engine's ratio:\n")
+    print("| tag | raw pause (ms) | raw resume until idle (ms) | release / raw | resume until idle / raw |")
+    print("|---|---:|---:|---:|---:|")
+    for tag, (pause_ms, resume_ms) in raw.items():
+        r = results[tag]
+        print(
+            f"| {tag} | {pause_ms:.1f} | {resume_ms:.1f} | {r['release_ms'] / pause_ms:.2f} "
+            f"| {r['resume_idle_ms'] / resume_ms:.2f} |"
         )
     print(
         f"\nFull cycle: release all {release_all_ms:.1f} ms; staged wake: weights {wake_weights_ms:.1f} ms, "

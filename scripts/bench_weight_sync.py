@@ -7,7 +7,13 @@ on the values). The floor is one read and one write of all weight bytes: the tim
 at the device-to-device copy bandwidth measured in the same run (for NCCL, the GPU-to-GPU copy
 bandwidth). Transports: in-process tensors, in-process flattened buckets, EngineProcess by CUDA IPC
 (shared memory on a CPU), and NCCL broadcast to an EngineProcess on a second GPU when there is one.
-Prints a markdown table.
+Prints a markdown table; *over floor* is (ms - floor ms), and per tensor that excess divided by the
+number of tensors (the host cost of a tensor when the data is small).
+
+    python scripts/bench_weight_sync.py --models qwen2.5-0.5b-thin --buckets-mb 128 --device cpu
+
+A `-thin` shape (scripts/models.py: same names and layer count, hidden size 64) measures the host cost
+per tensor on its own: its data moves in microseconds.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import SHAPES, bench_model  # noqa: E402
+from models import SHAPES, bench_model, shape_of  # noqa: E402
 
 from integrations import BroadcastSender, sync_weights  # noqa: E402
 from rollout import Engine  # noqa: E402
@@ -74,26 +80,48 @@ def measure(model, target, buckets: list[int], repeat: int, **kw) -> list[tuple[
     return [(b, timed(partial(sync_weights, model, target, bucket_bytes=b, **kw), repeat)) for b in buckets]
 
 
+def measure_update(engine: Engine, model: torch.nn.Module, repeat: int) -> list[tuple[int, float]]:
+    """Engine.update_weights_from_tensor of every weight at once, already in the engine's dtype (the
+    trainer's cast not counted)."""
+    named = [(n, p.detach().to(engine.dtype)) for n, p in model.named_parameters()]
+    device = engine.device
+
+    def update() -> None:
+        engine.update_weights_from_tensor(named)
+        _sync(device)
+
+    return [(0, timed(update, repeat))]
+
+
 def bench_one(name: str, args, device: torch.device, rows: list[str]) -> None:
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     folder, model = build(name, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"# {name}: {weight_bytes / 1e9:.2f} GB of weights, built in {time.perf_counter() - t0:.0f}s")
-    floor = weight_bytes / copy_bandwidth(device, device)
+    tensors = sum(1 for _ in model.parameters())
+    print(
+        f"# {name}: {tensors} tensors, {weight_bytes / 1e9:.3f} GB of weights, "
+        f"built in {time.perf_counter() - t0:.0f}s"
+    )
+    bandwidth = copy_bandwidth(device, device)
+    floor = weight_bytes / bandwidth
+    print(f"# copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write), floor {floor * 1e3:.3f} ms")
     opts = dict(device=str(device), dtype=args.dtype, max_total_tokens=2048)
     buckets = [int(mb * 2**20) for mb in args.buckets_mb]
 
     def record(transport: str, results: list[tuple[int, float]], floor_s: float) -> None:
         for bucket, seconds in results:
+            over = seconds - floor_s
             row = (
-                f"| {name} | {transport} | {bucket / 2**20:g} MB | {seconds * 1e3:.1f} | "
-                f"{weight_bytes / seconds / 1e9:.1f} | {floor_s * 1e3:.1f} | {seconds / floor_s:.2f} |"
+                f"| {name} | {transport} | {f'{bucket / 2**20:g} MB' if bucket else '-'} | "
+                f"{seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | {floor_s * 1e3:.3f} | "
+                f"{seconds / floor_s:.2f} | {over * 1e3:.2f} | {over / tensors * 1e6:.1f} |"
             )
             rows.append(row)
             print(row, flush=True)
 
     engine = Engine(str(folder), **opts)
+    record("update_weights_from_tensor, list", measure_update(engine, model, args.repeat), floor)
     record("in-process, tensors", measure(model, engine, buckets, args.repeat), floor)
     record("in-process, flattened", measure(model, engine, buckets, args.repeat, flatten=True), floor)
     engine = None  # free its weights before the next engine loads
@@ -110,7 +138,9 @@ def bench_one(name: str, args, device: torch.device, rows: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument(
+        "--models", default="qwen2.5-0.5b,qwen2.5-1.5b", help=f"comma list of {sorted(SHAPES)} (or NAME-thin)"
+    )
     ap.add_argument("--buckets-mb", default="32,128,512,1024")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -118,6 +148,8 @@ def main() -> None:
     ap.add_argument("--no-nccl", action="store_true")
     args = ap.parse_args()
     args.buckets_mb = [float(x) for x in args.buckets_mb.split(",")]
+    for model in args.models.split(","):
+        shape_of(model.strip())  # an unknown name fails before anything is built
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -128,7 +160,10 @@ def main() -> None:
         bench_one(model.strip(), args, device, rows)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("\n| model | transport | bucket | ms | GB/s | floor ms | x floor |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | transport | bucket | ms | GB/s | floor ms | x floor | over floor ms | us/tensor |"
+        "\n|---|---|---|---|---|---|---|---|---|"
+    )
     print("\n".join(rows))
 
 

@@ -2,6 +2,7 @@
 the weight values). Each is made once with a transformers config, in bfloat16, and kept in a cache folder.
 
     python scripts/models.py qwen2.5-0.5b            # prints the folder
+    python scripts/models.py qwen2.5-0.5b-thin       # same names and layer count, hidden size 64
 """
 
 from __future__ import annotations
@@ -27,8 +28,25 @@ SHAPES = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, tie_word_embeddings=True,
     ),
+    "qwen2.5-7b": dict(
+        cls="Qwen2Config", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+        rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False, vocab_size=152064,
+    ),
 }  # fmt: skip
 COMMON = dict(vocab_size=151936, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
+# "<shape>-thin": the shape's layer count, parameter names and flags at a tiny width, so per-tensor host
+# costs (weight sync, loading) can be measured without moving the data
+THIN = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, vocab_size=1024, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def shape_of(name: str) -> dict:
+    base = name.removesuffix("-thin")
+    if base not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)} (each also as NAME-thin)")
+    shape = {**COMMON, **SHAPES[base]}
+    return {**shape, **THIN} if name.endswith("-thin") else shape
 
 
 def cache_dir() -> Path:
@@ -40,13 +58,11 @@ def bench_model(name: str, folder: Path | None = None) -> Path:
     import torch
     import transformers
 
-    if name not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
+    shape = shape_of(name)
     folder = Path(folder or cache_dir() / name)
     if (folder / "config.json").exists():
         return folder
-    shape = dict(SHAPES[name])
-    config = getattr(transformers, shape.pop("cls"))(**COMMON, **shape)
+    config = getattr(transformers, shape.pop("cls"))(**shape)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of 1.5B params is slow on a CPU
     torch.manual_seed(0)
     with torch.device(device):
@@ -59,7 +75,7 @@ def bench_model(name: str, folder: Path | None = None) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("names", nargs="*", default=list(SHAPES), help=f"{sorted(SHAPES)}, or NAME-thin")
     for name in ap.parse_args().names:
         print(bench_model(name))
 

@@ -7,6 +7,10 @@ Loads copy into the existing storage, so CUDA graphs and memory-saver regions st
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,10 +18,23 @@ from torch import nn
 from rollout.distributed import SINGLE, TPGroup
 
 Shard = int | str | None
+_DEFERRED = contextvars.ContextVar("rollout_deferred_params", default=False)
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
+    device = "meta" if _DEFERRED.get() else device
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@contextmanager
+def deferred_params() -> Iterator[None]:
+    """Parameters made inside are meta tensors, to be placed afterwards (weights/loader.build_model puts
+    them all in one storage); buffers and everything else are made as usual."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 class ColumnLinear(nn.Module):

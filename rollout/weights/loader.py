@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable, Container, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -16,9 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.layers.linear import deferred_params
 from rollout.weights.bucket import parse_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
+# Parameters start on multiples of this in the weight storage (kernels specialise on 16-byte aligned
+# pointers); parameter sizes are multiples of it in practice, so the storage is gap-free and a bucket
+# in storage order is a single run of bytes.
+PARAM_ALIGN = 16
+# Threads that copy checkpoint tensors into the engine at start-up (ROLLOUT_LOAD_THREADS=1: one)
+LOAD_THREADS = int(os.environ.get("ROLLOUT_LOAD_THREADS", min(8, os.cpu_count() or 1)))
 
 
 @dataclass(frozen=True)
@@ -97,28 +106,41 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def refuse_nonfinite(named: list[tuple[str, torch.Tensor]]) -> None:
-    """Raise ValueError naming the tensors that hold NaN or inf. The max-norm of each tensor (NaN
-    propagates through it, an inf is its own max), batched per device and dtype into torch's
-    multi-tensor kernel, and one host sync per group: no copy of any tensor."""
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
+def refuse_nonfinite(
+    named: list[tuple[str, torch.Tensor]], dst_dtypes: list[torch.dtype] | None = None
+) -> None:
+    """Raise ValueError naming the tensors that hold NaN or inf or, given the dtypes they are loaded as
+    (`dst_dtypes`, one per tensor), values that overflow to inf in that dtype. The largest magnitude of
+    each tensor (NaN propagates through it, an inf is its own max; cast to the destination dtype, which
+    rounds monotonically), batched per device and dtype, and one host sync per group: no copy of any
+    tensor."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for k, (name, t) in enumerate(named):
         if t.numel() and (t.is_floating_point() or t.is_complex()):  # integers are always finite
-            t = _reducible(t)
-            groups.setdefault((t.device, t.dtype), []).append((name, t))
+            t = reducible(t)
+            dst = dst_dtypes[k] if dst_dtypes is not None else t.dtype
+            groups.setdefault((t.device, t.dtype, dst), []).append((name, t))
     bad = []
-    for group in groups.values():
-        norms = torch._foreach_norm([t for _, t in group], float("inf"))
-        finite = torch.isfinite(torch.stack(norms)).tolist()
+    for (_, _, dst), group in groups.items():
+        finite = torch.isfinite(max_abs([t for _, t in group]).to(dst)).tolist()
         bad += [name for (name, _), ok in zip(group, finite) if not ok]
     if bad:
         raise ValueError(
-            f"{len(bad)} weight(s) hold NaN or inf values, e.g. {bad[:3]}; nothing was loaded "
-            "(check_finite=False loads them anyway)"
+            f"{len(bad)} weight(s) hold NaN or inf values (or values the engine's dtype cannot hold), "
+            f"e.g. {bad[:3]}; nothing was loaded (check_finite=False loads them anyway)"
         )
 
 
-def _reducible(t: torch.Tensor) -> torch.Tensor:
+def max_abs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude of each tensor (NaN when it holds one), as one 1-D tensor; the tensors share
+    a device and dtype. On a GPU one multi-tensor kernel; on a CPU, where the max-norm kernel reads
+    0.4 GB/s, min and max reductions (about 8 GB/s)."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, float("inf")))
+    return torch.stack([torch.stack(torch.aminmax(t)).abs().max() for t in tensors])
+
+
+def reducible(t: torch.Tensor) -> torch.Tensor:
     # aminmax has no float8 kernels; bfloat16 holds every float8 value exactly
     return t if t.dtype.itemsize > 1 else t.to(torch.bfloat16)
 
@@ -140,30 +162,43 @@ def load_tensors(
     model: nn.Module, named: list[tuple[str, torch.Tensor]], *, check_finite: bool = True
 ) -> int:
     """Validate every (name, tensor), then load them all. Returns how many were loaded.
-    `check_finite`: refuse a set holding NaN or inf (on by default; one reduction per tensor)."""
-    for name, t in named:
-        check_tensor(name, t)
-    targets = resolve_all(model, ((n, t.shape, t.dtype) for n, t in named))
-    loaded = [(target, t) for target, (_, t) in zip(targets, named) if target is not None]
-    if check_finite:
-        refuse_nonfinite([(target.name, t) for target, t in loaded])
-    copy_all(loaded)
-    return len(loaded)
+    `check_finite`: refuse a set holding NaN or inf (on by default; one batched reduction).
+    The WeightManager caches the plan per signature; this builds it afresh."""
+    from rollout.weights.plan import TensorPlan  # plan.py builds on this module's checks
+
+    return TensorPlan.build(model, named).run([t for _, t in named], check_finite)
 
 
-def copy_all(loaded: list[tuple[WeightTarget, torch.Tensor]]) -> None:
-    """Load every tensor: plain copies go in one batched call (torch's multi-tensor copy: a few kernel
-    launches for the whole set instead of Python and a launch per tensor); the rest one by one."""
-    dsts, srcs = [], []
-    for target, t in loaded:
-        pair = target.copy_pair(t)
-        if pair is None:
-            target.load(t)
-        else:
-            dsts.append(pair[0])
-            srcs.append(pair[1])
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+# -- model construction ----------------------------------------------------------------------------
+def build_model(cls: type[nn.Module], config: Any, **kwargs: Any) -> nn.Module:
+    """`cls(config, **kwargs)` with every parameter a view of one uninitialised uint8 storage,
+    `model.weight_storage`: one allocation instead of one per parameter, nothing written before the
+    weights are loaded, and a bucket packed in storage order loads as one copy (weights/plan.py)."""
+    with deferred_params():
+        model = cls(config, **kwargs)
+    place_params(model, kwargs["device"])
+    return model
+
+
+def place_params(model: nn.Module, device: torch.device | str) -> None:
+    """Replace the (meta) parameters by views of one new storage on `device`; tied parameters stay tied."""
+    params = list(model.parameters())  # each shared parameter once
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // PARAM_ALIGN) * PARAM_ALIGN
+    storage = torch.empty(max(total, PARAM_ALIGN), dtype=torch.uint8, device=device)
+    placed = {
+        id(p): nn.Parameter(
+            storage[o : o + p.numel() * p.element_size()].view(p.dtype).view(p.shape), requires_grad=False
+        )
+        for p, o in zip(params, offsets)
+    }
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = placed[id(p)]
+    model.weight_storage = storage
 
 
 # -- checkpoints on disk ---------------------------------------------------------------------------
@@ -242,10 +277,12 @@ def load_checkpoint(
     require_all: bool = True,
     keep: Callable[[str], bool] | None = None,
     check_finite: bool = True,
+    fresh: bool = False,
 ) -> int:
     """Load a HF checkpoint folder after validating every tensor's name/shape/dtype from the headers.
     `keep(name)` selects the tensors to load (a partial update); every header is still validated.
-    `check_finite` reads the tensors once more before the first write, to refuse NaN or inf."""
+    `check_finite` reads the tensors once more before the first write, to refuse NaN or inf; for a
+    `fresh` model (no weights yet to keep intact) the check runs on the loaded weights instead."""
     files = safetensors_files(path)
     targets = {t.name: t for t in resolve_all(model, checkpoint_specs(files)) if t is not None}
     if keep is not None:
@@ -254,9 +291,23 @@ def load_checkpoint(
         missing = [n for n in model.hf_names() if n not in targets]
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
-    if check_finite:
+    if check_finite and not fresh:
         for name, tensor in iter_checkpoint(files, only=targets):
             refuse_nonfinite([(name, tensor)])
-    for name, tensor in iter_checkpoint(files, only=targets):
-        targets[name].load(tensor)
+    copy_parallel((targets[name], tensor) for name, tensor in iter_checkpoint(files, only=targets))
+    if check_finite and fresh:
+        refuse_nonfinite([(name, t.read()) for name, t in targets.items()])
     return len(targets)
+
+
+def copy_parallel(work: Iterable[tuple[WeightTarget, torch.Tensor]]) -> None:
+    """Load each (target, tensor) on LOAD_THREADS threads. safetensors hands out tensors that map the
+    file, so the copy is also the read (page faults), and copy_ runs without the interpreter lock: the
+    threads read different tensors at once. The tensors are opened here, on one thread."""
+    if LOAD_THREADS <= 1:
+        for target, tensor in work:
+            target.load(tensor)
+        return
+    with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="rollout-load") as pool:
+        for done in [pool.submit(target.load, tensor) for target, tensor in work]:
+            done.result()  # raises the first failure

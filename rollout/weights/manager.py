@@ -5,6 +5,9 @@ Every load is all-or-nothing: the whole set is validated (names, shapes, dtypes)
 is written, and copies go into the existing parameter storage (CUDA graphs and memory-saver regions
 stay valid). Transports hand full HF tensors to `WeightTarget.load`, which slices for tensor
 parallelism. The engine decides when a load may run (nothing in flight, memory resident).
+
+Updates of a signature seen before reuse its copy plan (weights/plan.py): validation was done when the
+plan was built, and the load is the finite check and one batched copy.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import torch
 from rollout.distributed import TPGroup
 from rollout.models.config import ModelConfig
 from rollout.weights import broadcast, checksum
-from rollout.weights.bucket import as_bucket, unpack
+from rollout.weights.bucket import as_bucket
 from rollout.weights.loader import (
     WeightTarget,
     checkpoint_specs,
     load_checkpoint,
-    load_tensors,
     safetensors_files,
 )
+from rollout.weights.plan import PlanCache, Prepared
 
 log = logging.getLogger("rollout")
 
@@ -40,6 +43,8 @@ class WeightManager:
         self.version = 0  # bumped by every successful load
         self._missing: set[str] = set()  # HF names not loaded since the weights were discarded
         self._groups: dict[str, broadcast.UpdateGroup] = {}
+        self.plans = PlanCache(model)
+        self._order: list[str] | None = None  # storage_order(): the storage never moves
 
     # -- validity ---------------------------------------------------------------------------------
     def discard(self) -> None:
@@ -68,16 +73,16 @@ class WeightManager:
             log.info("all weights loaded since they were discarded: the engine can generate again")
 
     # -- what arrives -----------------------------------------------------------------------------
-    def unpack(self, named_tensors: Any, load_format: str | None) -> Named:
-        """(HF name, tensor) pairs from a list/dict, or from a FlattenedBucket (or SGLang's dict)."""
+    def unpack(self, named_tensors: Any, load_format: str | None) -> Prepared:
+        """A list/dict of (HF name, tensor) pairs or a FlattenedBucket (or SGLang's dict), validated
+        against its copy plan (built on first sight of its signature) and ready to load."""
         _check_format(load_format)
         if load_format == "flattened_bucket":
-            named = unpack(as_bucket(named_tensors))
-        else:
-            named = _as_named_list(named_tensors)
+            return self.plans.bucket(as_bucket(named_tensors))
+        named = _as_named_list(named_tensors)
         if not named:
             raise ValueError("the update holds no tensors")
-        return named
+        return self.plans.tensors(named)
 
     def receive(
         self,
@@ -86,7 +91,7 @@ class WeightManager:
         shapes: Sequence[Any],
         group_name: str,
         load_format: str | None,
-    ) -> Named:
+    ) -> Prepared:
         """Tensors broadcast by rank 0 of `group_name` (one per name, in order, or one flattened buffer).
         They land in temporary buffers (the sender never waits on a refusal); a malformed spec cannot be
         received at all and is refused at once (the sender's broadcast then times out)."""
@@ -94,19 +99,35 @@ class WeightManager:
         group = self._group(group_name)
         names, dtypes, shapes = list(names), list(dtypes), list(shapes)
         if load_format == "flattened_bucket":
-            named = unpack(broadcast.receive_bucket(group, names, dtypes, shapes))
-        else:
-            named = broadcast.receive_tensors(group, names, dtypes, shapes)
+            return self.plans.bucket(broadcast.receive_bucket(group, names, dtypes, shapes))
+        named = broadcast.receive_tensors(group, names, dtypes, shapes)
         if not named:
             raise ValueError("the update holds no tensors")
-        return named
+        return self.plans.tensors(named)
 
     # -- loads ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def load(self, named: Named) -> int:
-        count = load_tensors(self.model, named)
-        self._loaded(name for name, _ in named)
+    def load(self, update: Prepared | Named) -> int:
+        """Load a prepared update (or a list of pairs, prepared here); all or nothing."""
+        if not isinstance(update, Prepared):
+            update = self.plans.tensors(update)
+        count = update.load()
+        self._loaded(update.names)
         return count
+
+    def storage_order(self) -> list[str]:
+        """The HF names in the order their bytes lie in the engine's weight storage: a bucket packed in
+        this order, in the engine's dtype, loads as one copy per contiguous run."""
+        if self._order is None:
+            self._order = self._storage_order()
+        return list(self._order)
+
+    def _storage_order(self) -> list[str]:
+        names = self.model.hf_names()
+        if getattr(self.model, "weight_storage", None) is None or self.tp.size != 1:
+            return names  # a rank's slices are not the bytes a trainer packs: any order will do
+        offsets = {name: WeightTarget(name, *self.model.resolve(name)).read().data_ptr() for name in names}
+        return sorted(names, key=offsets.__getitem__)
 
     @torch.no_grad()
     def load_disk(self, model_path: str | Path, weight_name_filter: Any = None) -> int:
