@@ -171,9 +171,14 @@ def test_retract_update_continue_resumes_with_new_weights(engine, aengine):
 
 
 def test_in_place_pause_keeps_pages_and_refuses_updates(engine, aengine):
+    # long enough that it cannot end between the stats read and the pause (the process mode's stats
+    # are a round trip, and the module's engine has decoded before, so decode_tokens starts above 0)
+    params = replace(GREEDY, max_new_tokens=200)
+
     async def run():
-        task = asyncio.create_task(aengine.generate(input_ids=PROMPTS[3], sampling_params=GREEDY))
-        while aengine.stats.decode_tokens == 0 or not aengine.stats.requests:
+        before = aengine.stats.decode_tokens
+        task = asyncio.create_task(aengine.generate(input_ids=PROMPTS[3], sampling_params=params))
+        while aengine.stats.decode_tokens == before or not aengine.stats.requests:
             await asyncio.sleep(0.01)
         await aengine.pause_generation("in_place")
         steps = aengine.stats.steps
@@ -186,7 +191,7 @@ def test_in_place_pause_keeps_pages_and_refuses_updates(engine, aengine):
         return await task
 
     out = asyncio.run(run()).outputs[0]
-    assert out.token_ids == _greedy(engine, PROMPTS[3]).token_ids
+    assert out.token_ids == _greedy(engine, PROMPTS[3], params).token_ids
 
 
 def test_partial_rollout_resumes_without_recomputing_its_prefix(engine, aengine):
