@@ -24,41 +24,113 @@ BLOCK = 2048
 
 
 @triton.jit
-def _load(row_ptr, start, V, BLOCK: tl.constexpr, ID_BITS: tl.constexpr):
-    """One block of a row: (valid lanes, fixed-point weights, keys)."""
+def _load(row_ptr, start, V, BLOCK: tl.constexpr):
+    """One block of a row: (token ids, valid lanes, probability bits, probabilities)."""
     offs = start + tl.arange(0, BLOCK)
     valid = offs < V
     p = tl.load(row_ptr + offs, mask=valid, other=0.0)
-    w = (p * 4503599627370496.0).to(tl.int64)  # * 2**52 is exact in float32; the cast floors
-    bits = p.to(tl.int32, bitcast=True).to(tl.int64)  # p >= 0: the bits order like the floats
-    key = (bits << ID_BITS) | ((1 << ID_BITS) - 1 - offs.to(tl.int64))
-    return valid, w, key
+    return offs, valid, p.to(tl.int32, bitcast=True), p  # p >= 0: its bits order like the floats
 
 
 @triton.jit
-def _above(row_ptr, V, t, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, ID_BITS: tl.constexpr):
-    """Count (BY_COUNT) or weight of the row's tokens whose key is above t."""
-    acc = tl.zeros((), dtype=tl.int64)
+def _fixed(p):
+    return (p * 4503599627370496.0).to(tl.int64)  # * 2**52 is exact in float32; the cast floors
+
+
+@triton.jit
+def _above(row_ptr, V, b, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Count (BY_COUNT) or weight of the row's tokens whose probability bits are above b."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int64)  # summed once at the end: no reduction per block
     for start in range(0, V, BLOCK):
-        valid, w, key = _load(row_ptr, start, V, BLOCK, ID_BITS)
-        above = valid & (key > t)
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        above = valid & (bits > b)
         if BY_COUNT:
-            acc += tl.sum(above.to(tl.int64))
+            acc += above.to(tl.int64)
         else:
-            acc += tl.sum(tl.where(above, w, 0))
-    return acc
+            acc += tl.where(above, _fixed(p), 0)
+    return tl.sum(acc)
 
 
 @triton.jit
-def _least_key(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, ID_BITS: tl.constexpr):
-    """The least t in (lo, hi] with _above(t) < bound, given it holds at hi and not at lo. Compared in
-    float64, as the reference compares its int64 sums (< 2**53, exact) with a float64 bound."""
+def _least_bits(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Bisection: the least b in (lo, hi] with _above(b) < bound, given it holds at hi (the row's
+    largest bits, nothing above) and not at lo; and _above there. Compared in float64, as the reference
+    compares its int64 sums (< 2**53, exact) with a float64 bound."""
+    at_hi = tl.zeros((), dtype=tl.int64)
     while hi - lo > 1:
         mid = lo + (hi - lo) // 2
-        ok = _above(row_ptr, V, mid, BY_COUNT, BLOCK, ID_BITS).to(tl.float64) < bound
+        s = _above(row_ptr, V, mid, BY_COUNT, BLOCK)
+        ok = s.to(tl.float64) < bound
+        hi = tl.where(ok, mid, hi)
+        at_hi = tl.where(ok, s, at_hi)
+        lo = tl.where(ok, lo, mid)
+    return hi, at_hi
+
+
+@triton.jit
+def _group(row_ptr, V, b, BLOCK: tl.constexpr):
+    """Size and largest id of the group of tokens whose probability bits are b."""
+    n = tl.zeros((BLOCK,), dtype=tl.int64)
+    last = tl.full((BLOCK,), -1, dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        member = valid & (bits == b)
+        n += member.to(tl.int64)
+        last = tl.maximum(last, tl.where(member, offs, -1))
+    return tl.sum(n), tl.max(last)
+
+
+@triton.jit
+def _nth_id(row_ptr, V, b, nth, BLOCK: tl.constexpr):
+    """The id of the nth (from 1) lowest-id token whose probability bits are b: bisection over ids, only
+    when a tie group straddles a cut."""
+    lo = tl.zeros((), dtype=tl.int32) - 1
+    hi = tl.zeros((), dtype=tl.int32) + V - 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        n = tl.zeros((BLOCK,), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+            n += (valid & (bits == b) & (offs <= mid)).to(tl.int64)
+        ok = tl.sum(n) >= nth
         hi = tl.where(ok, mid, hi)
         lo = tl.where(ok, lo, mid)
     return hi
+
+
+@triton.jit
+def _cut(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, ID_BITS: tl.constexpr):
+    """The least key t with (count or weight of keys above t) < bound, searched among probability bits in
+    (lo, hi]. Returns the key, its probability bits b, the count or weight above b, and how many of b's
+    group survive.
+
+    Bisection finds the probability b of the cut; the members of b's tie group, all of one weight, then
+    rank by id, so how many survive is arithmetic."""
+    b, above = _least_bits(row_ptr, V, lo, hi, bound, BY_COUNT, BLOCK)
+    size, last = _group(row_ptr, V, b, BLOCK)
+    unit = tl.where(BY_COUNT, 1, _fixed(b.to(tl.float32, bitcast=True)))
+    # member j (0-based, in id order) survives while above + j * unit < bound; member 0 does
+    j_lo = tl.zeros((), dtype=tl.int64)
+    j_hi = size
+    while j_hi - j_lo > 1:
+        mid = j_lo + (j_hi - j_lo) // 2
+        ok = (above + mid * unit).to(tl.float64) < bound
+        j_lo = tl.where(ok, mid, j_lo)
+        j_hi = tl.where(ok, j_hi, mid)
+    kept = j_lo + 1
+    cut_id = last
+    if kept < size:
+        cut_id = _nth_id(row_ptr, V, b, kept, BLOCK)
+    key = (b.to(tl.int64) << ID_BITS) | ((1 << ID_BITS) - 1 - cut_id.to(tl.int64))
+    return key, b, above, kept
+
+
+@triton.jit
+def _kept(offs, bits, p, cut_bits, cut_id, min_w):
+    """Weights of the tokens at or above the cut (a (bits, id) pair) and at or above min-p's weight."""
+    w = _fixed(p)
+    at_least = (bits > cut_bits) | ((bits == cut_bits) & (offs <= cut_id))
+    return tl.where(at_least & (w >= min_w), w, 0)
 
 
 @triton.jit
@@ -80,40 +152,56 @@ def _sample_kernel(
     row_ptr = probs_ptr + row.to(tl.int64) * stride
     k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row * param_stride).to(tl.float64)
-    total = tl.zeros((), dtype=tl.int64)
-    top = tl.zeros((), dtype=tl.int64)
-    hi = tl.zeros((), dtype=tl.int64)  # the largest key: it survives every truncation
+    total = tl.zeros((BLOCK,), dtype=tl.int64)
+    lo = tl.full((BLOCK,), 0x7FFFFFFF, dtype=tl.int32)
+    hi = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(0, V, BLOCK):
-        valid, w, key = _load(row_ptr, start, V, BLOCK, ID_BITS)
-        total += tl.sum(w)
-        top = tl.maximum(top, tl.max(w))
-        hi = tl.maximum(hi, tl.max(tl.where(valid, key, 0)))
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        total += _fixed(p)
+        lo = tl.minimum(lo, tl.where(valid, bits, 0x7FFFFFFF))
+        hi = tl.maximum(hi, bits)
+    total = tl.sum(total)
+    lo = tl.min(lo) - 1  # below every token: the searches' predicates fail there
+    hi = tl.max(hi)
+    top = _fixed(hi.to(tl.float32, bitcast=True))  # the largest weight: the top token survives everything
 
     cut = tl.zeros((), dtype=tl.int64)  # no truncation: every key is >= 0
     if k < V:  # the k-th largest key; the top-p bound is a share of the weight from there up
-        cut = _least_key(row_ptr, V, cut - 1, hi, k.to(tl.float64), True, BLOCK, ID_BITS)
-        total = _above(row_ptr, V, cut - 1, False, BLOCK, ID_BITS)
+        cut, b, _, kept = _cut(row_ptr, V, lo, hi, k.to(tl.float64), True, BLOCK, ID_BITS)
+        total = _above(row_ptr, V, b, False, BLOCK) + kept * _fixed(b.to(tl.float32, bitcast=True))
+        lo = b - 1
+    kept_total = total
     if top_p < 1.0:
-        cut = _least_key(row_ptr, V, cut - 1, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
+        key, b, above, kept = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
+        if key > cut:  # else the top-k cut is the higher one, and total what survives it
+            kept_total = above + kept * _fixed(b.to(tl.float32, bitcast=True))
+        cut = tl.maximum(cut, key)
+    cut_bits = (cut >> ID_BITS).to(tl.int32)
+    cut_id = ((1 << ID_BITS) - 1 - (cut & ((1 << ID_BITS) - 1))).to(tl.int32)
 
-    # min-p against the largest weight (the top token always survives), then the inverse CDF in token
-    # order: the token is the number of positions whose running kept weight is <= the target
+    # min-p against the largest weight; integer weights pass a float bound when they reach its ceiling
     floor = tl.load(min_p_ptr + row * param_stride).to(tl.float64) * top.to(tl.float64)
-    kept_total = tl.zeros((), dtype=tl.int64)
-    for start in range(0, V, BLOCK):
-        valid, w, key = _load(row_ptr, start, V, BLOCK, ID_BITS)
-        kept_total += tl.sum(tl.where((key >= cut) & (w.to(tl.float64) >= floor), w, 0))
+    min_w = floor.to(tl.int64)
+    min_w = tl.where(min_w.to(tl.float64) < floor, min_w + 1, min_w)
+    if min_w > 0:
+        acc = tl.zeros((BLOCK,), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+            acc += _kept(offs, bits, p, cut_bits, cut_id, min_w)
+        kept_total = tl.sum(acc)
+
+    # inverse CDF in token order: the token is the number of positions whose running weight is <= target
     target = (tl.load(u_ptr + row) * kept_total.to(tl.float64)).to(tl.int64)
     target = tl.minimum(target, kept_total - 1)  # u * total may round up to total: take the last token
     running = tl.zeros((), dtype=tl.int64)
-    token = tl.zeros((), dtype=tl.int64)
+    token = tl.zeros((BLOCK,), dtype=tl.int64)
     for start in range(0, V, BLOCK):
-        valid, w, key = _load(row_ptr, start, V, BLOCK, ID_BITS)
-        kw = tl.where((key >= cut) & (w.to(tl.float64) >= floor), w, 0)
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        kw = _kept(offs, bits, p, cut_bits, cut_id, min_w)
         cdf = running + tl.cumsum(kw, axis=0)
-        token += tl.sum((valid & (cdf <= target)).to(tl.int64))
+        token += (valid & (cdf <= target)).to(tl.int64)
         running += tl.sum(kw)
-    tl.store(tokens_ptr + row, token)
+    tl.store(tokens_ptr + row, tl.sum(token))
     tl.store(cuts_ptr + row, cut)
 
 
