@@ -23,6 +23,7 @@ from rollout.runner import sampler  # noqa: E402
 from rollout.runner.sampler import SamplingBatch, sample  # noqa: E402
 
 QWEN_VOCAB = 151936
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the kernel runs
 CASES = [
     SamplingParams(top_p=0.95),
     SamplingParams(top_p=0.5, temperature=0.7),
@@ -154,12 +155,12 @@ def assert_kernel_same_as_reference(logits: torch.Tensor, sb: SamplingBatch) -> 
 @pytest.mark.parametrize("kind", ["flat", "peaked", "bf16", "tied"])
 def test_kernel_equals_the_sort(kind):
     cases = [p for p in CASES if p.top_k <= 1000]  # the interpreter is slow: a small vocabulary
-    assert_kernel_same_as_reference(*batch(kind, 2100, seed=3, cases=cases))
+    assert_kernel_same_as_reference(*batch(kind, 2100, seed=3, cases=cases, device=DEVICE))
 
 
 def test_kernel_ties_rank_by_the_lower_token_id():
     """top_k=2 inside a four-way tie for the top keeps its two lowest ids."""
-    logits, sb = batch("tied", 2100, cases=[SamplingParams(top_k=2)] * 6)
+    logits, sb = batch("tied", 2100, cases=[SamplingParams(top_k=2)] * 6, device=DEVICE)
     tokens, weights = kernel_draw(logits, sb)
     assert set(torch.nonzero(weights[0]).squeeze(1).tolist()) == {3, 700}
     assert set(tokens.tolist()) <= {3, 700}
@@ -169,7 +170,8 @@ def test_kernel_row_is_batch_independent():
     row = make_logits("bf16", 1, 3000, 4)[0]
     mine = SamplingParams(top_k=30, top_p=0.9, min_p=0.02)
     gen = torch.Generator().manual_seed(6)
-    alone = kernel_draw(row[None], SamplingBatch.build([mine], [0.42], 3000, torch.device("cpu")))[0]
+    dev = torch.device(DEVICE)
+    alone = kernel_draw(row[None].to(dev), SamplingBatch.build([mine], [0.42], 3000, dev))[0]
     for at in (0, 3, 5):
         logits = torch.randn(6, 3000, generator=gen) * 4
         logits[at] = row
@@ -177,7 +179,7 @@ def test_kernel_row_is_batch_independent():
         params[at] = mine
         us = torch.rand(6, dtype=torch.float64, generator=gen).tolist()
         us[at] = 0.42
-        tokens = kernel_draw(logits, SamplingBatch.build(params, us, 3000, torch.device("cpu")))[0]
+        tokens = kernel_draw(logits.to(dev), SamplingBatch.build(params, us, 3000, dev))[0]
         assert tokens[at] == alone[0], at
 
 
@@ -186,9 +188,9 @@ def test_kernel_samples_the_truncated_distribution():
 
     rows, params = 3000, SamplingParams(top_k=6, top_p=0.9, min_p=0.05, temperature=1.2)
     us = torch.rand(rows, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    sb = SamplingBatch.build([params] * rows, us.tolist(), len(LOGITS), torch.device("cpu"))
-    tokens, _ = kernel_draw(LOGITS.repeat(rows, 1), sb)
-    counts, probs = np.bincount(tokens.numpy(), minlength=len(LOGITS)), expected(params)
+    sb = SamplingBatch.build([params] * rows, us.tolist(), len(LOGITS), torch.device(DEVICE))
+    tokens, _ = kernel_draw(LOGITS.repeat(rows, 1).to(DEVICE), sb)
+    counts, probs = np.bincount(tokens.cpu().numpy(), minlength=len(LOGITS)), expected(params)
     assert counts[probs == 0].sum() == 0, "a truncated token was sampled"
     live = probs > 0
     assert chisquare(counts[live], probs[live] * rows).pvalue > 1e-3, (counts, probs * rows)
@@ -196,7 +198,8 @@ def test_kernel_samples_the_truncated_distribution():
 
 @pytest.mark.slow
 def test_kernel_equals_the_sort_at_qwen_vocab():
-    assert_kernel_same_as_reference(*batch("bf16", QWEN_VOCAB, cases=[SamplingParams(top_k=40, top_p=0.9)]))
+    cases = [SamplingParams(top_k=40, top_p=0.9)]
+    assert_kernel_same_as_reference(*batch("bf16", QWEN_VOCAB, cases=cases, device=DEVICE))
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------

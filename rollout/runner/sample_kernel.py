@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 8192
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -225,6 +226,6 @@ def sample_rows(
     cuts = torch.empty(N, dtype=torch.int64, device=probs.device)
     _sample_kernel[(N,)](
         probs, probs.stride(0), vocab, top_k, top_p, min_p, top_p.stride(0), uniforms, tokens, cuts,
-        BLOCK=BLOCK, ID_BITS=id_bits(vocab), num_warps=8,
+        BLOCK=BLOCK, ID_BITS=id_bits(vocab), num_warps=NUM_WARPS,
     )  # fmt: skip
     return tokens, cuts
