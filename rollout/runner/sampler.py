@@ -3,10 +3,16 @@
 Each row draws with inverse-CDF sampling from one uniform number that the host derives from the
 request's seed and output index, so a seeded sample does not depend on the rest of the batch. For
 that, a row's draw is a function of its own logits and parameters alone:
-- every row draws in token order, whether or not the batch sorts (top-k / top-p only mask tokens);
-- orderings are total: stable sorts and keyed top-k, equal probabilities ranked by lower token id;
+- every row draws in token order (top-k / top-p / min-p only mask tokens);
+- orderings are total: tokens rank by probability, equal ones by lower token id (a distinct key each);
 - sums are exact: probabilities become integer weights (fixed point), so no reduction order, which
   kernels may pick by the batch's shape, can move a cumulative sum across a token's boundary.
+
+Top-k / top-p without a full-vocabulary sort (issue #15), two paths that make exactly the decisions of
+the sort-based reference (`sort_draw`, the sampler before), so seeded tokens did not change:
+- CUDA: one Triton program per row finds the cut by bisection and draws (sample_kernel.py); no host
+  sync, CUDA-graph capturable;
+- elsewhere (the CPU): `torch.topk` candidates decide most rows, the sort the rest (`_cuts`).
 """
 
 from __future__ import annotations
