@@ -3,15 +3,22 @@
 Each row draws with inverse-CDF sampling from one uniform number that the host derives from the
 request's seed and output index, so a seeded sample does not depend on the rest of the batch. For
 that, a row's draw is a function of its own logits and parameters alone:
-- every row draws in token order, whether or not the batch sorts (top-k / top-p only mask tokens);
-- orderings are total: stable sorts and keyed top-k, equal probabilities ranked by lower token id;
+- every row draws in token order (top-k / top-p / min-p only mask tokens);
+- orderings are total: tokens rank by probability, equal ones by lower token id (a distinct key each);
 - sums are exact: probabilities become integer weights (fixed point), so no reduction order, which
   kernels may pick by the batch's shape, can move a cumulative sum across a token's boundary.
+
+Top-k / top-p without a full-vocabulary sort (issue #15), two paths that make exactly the decisions of
+the sort-based reference (`sort_draw`, the sampler before), so seeded tokens did not change:
+- CUDA: one Triton program per row finds the cut by bisection and draws (sample_kernel.py); no host
+  sync, CUDA-graph capturable;
+- elsewhere (the CPU): `torch.topk` candidates decide most rows, the sort the rest (`_cuts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,8 +99,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     tokens = logits.argmax(dim=-1)  # torch documents the first of equal maxima: the lowest id
     weights = None
     if not sb.all_greedy:
-        drawn, weights = _draw(logprobs, sb)
+        drawn, kept = _draw(logprobs, sb)
         tokens = torch.where(greedy, tokens, drawn)
+        if sb.processed is not None:
+            weights = kept()
     if sb.processed is not None:
         logprobs = _reported(raw, logprobs, weights, scale, greedy, sb)
     elif sb.adjusts_logits:
@@ -135,30 +144,127 @@ def _reported(
     return torch.where(sb.processed.unsqueeze(1), processed, base)
 
 
-def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF.
-    Returns the tokens and the integer weights drawn from ([N, V] padded to CDF_BLOCK)."""
+    Returns the tokens, and a function that gives the integer weights drawn from ([N, V] padded to
+    CDF_BLOCK; only processed logprobs need them)."""
+    probs = _padded_exp(logprobs)
+    V = logprobs.shape[1]
+    if probs.is_cuda and _kernel() is not None:
+        # one program per row, no sort, no host sync (sample_kernel.py)
+        tokens, cuts = _kernel().sample_rows(probs, V, sb.top_k, sb.top_p, sb.min_p, sb.uniforms)
+        return tokens, lambda: _kept_weights(probs, V, cuts if sb.needs_sort else None, sb)
+    weights = _kept_weights(probs, V, _cuts(probs, V, sb) if sb.needs_sort else None, sb)
+    return _inverse_cdf(weights, sb.uniforms), lambda: weights
+
+
+def sort_draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """`_draw` as it was before the sort-free paths (issue #15): a full-vocabulary sort for top-k and
+    top-p. The reference that tests and scripts/bench_sampler.py compare `_draw` with."""
     probs = _padded_exp(logprobs)
     weights = _fixed(probs)
     if sb.needs_sort:
-        weights = weights * _top_k_top_p(probs, sb)
+        weights = weights * _top_k_top_p(probs, sb.top_k, sb.top_p)
+    if sb.needs_min_p:
+        top = weights.max(dim=-1, keepdim=True).values
+        weights = weights * (weights >= sb.min_p.double().unsqueeze(1) * top)
+    return _inverse_cdf(weights, sb.uniforms), lambda: weights
+
+
+def _kept_weights(probs: torch.Tensor, V: int, cuts: torch.Tensor | None, sb: SamplingBatch) -> torch.Tensor:
+    """The fixed-point weights of the tokens that survive: key >= the row's cut (top-k and top-p), then
+    min-p against the largest weight (the top token always survives)."""
+    weights = _fixed(probs)
+    if cuts is not None:
+        weights = weights * _at_least(probs, V, cuts)
     if sb.needs_min_p:
         top = weights.max(dim=-1, keepdim=True).values
         weights = weights * (weights >= sb.min_p.double().unsqueeze(1) * top)  # exact: weights < 2**53
-    return _inverse_cdf(weights, sb.uniforms), weights
+    return weights
 
 
-def _top_k_top_p(probs: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+# -- ranking keys: probability bits above the inverted token id, distinct and ordered like the stable
+# descending sort (equal probabilities rank by lower id). Probabilities are >= 0, so their bits order
+# like the floats.
+def _id_bits(V: int) -> int:
+    return max(1, (V - 1).bit_length())
+
+
+def _keys(probs: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor:
+    b = _id_bits(V)
+    return (probs.view(torch.int32).to(torch.int64) << b) | ((1 << b) - 1 - ids)
+
+
+def _at_least(probs: torch.Tensor, V: int, cuts: torch.Tensor) -> torch.Tensor:
+    """Mask of the tokens whose key is >= the row's cut, without building the keys: compared as
+    (probability, id) pairs."""
+    b = _id_bits(V)
+    p = (cuts >> b).to(torch.int32).view(torch.float32).unsqueeze(1)
+    last = ((1 << b) - 1 - (cuts & ((1 << b) - 1))).unsqueeze(1)  # the cut token's id
+    ids = torch.arange(probs.shape[1], device=probs.device)
+    return (probs > p) | ((probs == p) & (ids <= last))
+
+
+CANDIDATES = 1024
+
+
+def _cuts(probs: torch.Tensor, V: int, sb: SamplingBatch) -> torch.Tensor:
+    """Each row's least surviving key under top-k then top-p (the torch path: topk, not a sort, of the
+    vocabulary). The CANDIDATES most probable tokens decide a row when its kept set ends among them and
+    clear of a tie at the last candidate's probability; other rows take the full sort."""
+    if V <= CANDIDATES:
+        return _least_kept(probs, V, _top_k_top_p(probs, sb.top_k, sb.top_p))
+    values, ids = probs[:, :V].topk(CANDIDATES, dim=-1)
+    keys, order = _keys(values, ids, V).sort(dim=-1, descending=True)
+    values = values.gather(1, order)
+    # Rank r's decision needs only the top r probabilities, which topk gets right even through ties:
+    # so the number kept, n, is exact. Which token holds a rank is certain above the last candidate's
+    # probability (every more probable token is a candidate), and the top-k total is known when
+    # top_k <= CANDIDATES or top_k is off.
+    w = _fixed(values)
+    in_k = torch.arange(CANDIDATES, device=w.device).unsqueeze(0) < sb.top_k.unsqueeze(1)
+    w = w * in_k
+    csum = w.cumsum(dim=-1)
+    total = torch.where(sb.top_k.unsqueeze(1) >= V, _fixed(probs).sum(dim=-1, keepdim=True), csum[:, -1:])
+    n = (in_k & ((csum - w) < sb.top_p.double().unsqueeze(1) * total)).sum(dim=-1)
+    certain = (values > values[:, -1:]).sum(dim=-1)
+    decided = (n <= certain) & ((sb.top_k <= CANDIDATES) | (sb.top_k >= V))
+    cuts = keys.gather(1, (n - 1).unsqueeze(1)).squeeze(1)
+    rest = (~decided).nonzero().squeeze(1)  # a host sync: this path is for the CPU
+    if len(rest):
+        mask = _top_k_top_p(probs[rest], sb.top_k[rest], sb.top_p[rest])
+        cuts[rest] = _least_kept(probs[rest], V, mask)
+    return cuts
+
+
+def _least_kept(probs: torch.Tensor, V: int, mask: torch.Tensor) -> torch.Tensor:
+    keys = _keys(probs[:, :V], torch.arange(V, device=probs.device), V)
+    return torch.where(mask[:, :V], keys, torch.iinfo(torch.int64).max).min(dim=-1).values
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (in token order) of the tokens that survive top-k, then top-p over the rest. Decided in order
-    of probability, equal ones by lower token id: a stable sort of tokens that start in id order."""
+    of probability, equal ones by lower token id: a stable sort of tokens that start in id order. The
+    reference that the sort-free paths reproduce."""
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     w = _fixed(sorted_probs)
-    in_k = torch.arange(w.shape[1], device=w.device).unsqueeze(0) < sb.top_k.unsqueeze(1)
+    in_k = torch.arange(w.shape[1], device=w.device).unsqueeze(0) < top_k.unsqueeze(1)
     w = w * in_k
     csum = w.cumsum(dim=-1)
     # keep a token while the mass ranked above it is below top_p of the (top-k) total
-    keep = in_k & ((csum - w) < sb.top_p.double().unsqueeze(1) * csum[:, -1:])
+    keep = in_k & ((csum - w) < top_p.double().unsqueeze(1) * csum[:, -1:])
     return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+@functools.cache
+def _kernel():
+    """The Triton sampling kernel module, or None without triton (imported on first use: the CPU tests
+    choose the Triton interpreter before triton is first imported)."""
+    try:
+        from rollout.runner import sample_kernel
+    except ImportError:
+        return None
+    return sample_kernel
 
 
 def _topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,231 @@
+"""A sort-free sampling kernel: top-k, top-p and min-p truncation and the inverse-CDF draw of each row, in
+one Triton program per row.
+
+It makes exactly the decisions of the sort-based reference in sampler.py (`_top_k_top_p`, min-p,
+`_inverse_cdf`), without a sort or a cumsum over the vocabulary:
+- tokens are ranked by a distinct int64 key, probability bits above the inverted token id, so equal
+  probabilities rank by lower id, as the reference's stable sort does;
+- what survives top-k and top-p is the set of tokens whose key is at least a cut. The cut is the least
+  key t with (count of keys above t) < top_k and (weight of keys above t) < top_p * top-k weight, both
+  monotone in t, so it is found by bisection over the key space: one pass over the row per halving;
+- weights are the reference's fixed-point integers and every sum is an integer sum, exact in any order,
+  so a row's result does not depend on the block size or on the rest of the batch.
+
+No host syncs and a grid that depends only on the batch size: safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 8192
+NUM_WARPS = 16
+
+
+@triton.jit
+def _load(row_ptr, start, V, BLOCK: tl.constexpr):
+    """One block of a row: (token ids, valid lanes, probability bits, probabilities)."""
+    offs = start + tl.arange(0, BLOCK)
+    valid = offs < V
+    p = tl.load(row_ptr + offs, mask=valid, other=0.0)
+    return offs, valid, p.to(tl.int32, bitcast=True), p  # p >= 0: its bits order like the floats
+
+
+@triton.jit
+def _fixed(p):
+    return (p * 4503599627370496.0).to(tl.int64)  # * 2**52 is exact in float32; the cast floors
+
+
+@triton.jit
+def _above(row_ptr, V, b, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Count (BY_COUNT) or weight of the row's tokens whose probability bits are above b."""
+    acc = tl.zeros((BLOCK,), dtype=tl.int64)  # summed once at the end: no reduction per block
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        above = valid & (bits > b)
+        if BY_COUNT:
+            acc += above.to(tl.int64)
+        else:
+            acc += tl.where(above, _fixed(p), 0)
+    return tl.sum(acc)
+
+
+@triton.jit
+def _least_bits(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """Bisection: the least b in (lo, hi] with _above(b) < bound, given it holds at hi (the row's
+    largest bits, nothing above) and not at lo; and _above there. Compared in float64, as the reference
+    compares its int64 sums (< 2**53, exact) with a float64 bound."""
+    at_hi = tl.zeros((), dtype=tl.int64)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        s = _above(row_ptr, V, mid, BY_COUNT, BLOCK)
+        ok = s.to(tl.float64) < bound
+        hi = tl.where(ok, mid, hi)
+        at_hi = tl.where(ok, s, at_hi)
+        lo = tl.where(ok, lo, mid)
+    return hi, at_hi
+
+
+@triton.jit
+def _group(row_ptr, V, b, BLOCK: tl.constexpr):
+    """Size and largest id of the group of tokens whose probability bits are b."""
+    n = tl.zeros((BLOCK,), dtype=tl.int64)
+    last = tl.full((BLOCK,), -1, dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        member = valid & (bits == b)
+        n += member.to(tl.int64)
+        last = tl.maximum(last, tl.where(member, offs, -1))
+    return tl.sum(n), tl.max(last)
+
+
+@triton.jit
+def _nth_id(row_ptr, V, b, nth, BLOCK: tl.constexpr):
+    """The id of the nth (from 1) lowest-id token whose probability bits are b: bisection over ids, only
+    when a tie group straddles a cut."""
+    lo = tl.zeros((), dtype=tl.int32) - 1
+    hi = tl.zeros((), dtype=tl.int32) + V - 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        n = tl.zeros((BLOCK,), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+            n += (valid & (bits == b) & (offs <= mid)).to(tl.int64)
+        ok = tl.sum(n) >= nth
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid)
+    return hi
+
+
+@triton.jit
+def _cut(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, ID_BITS: tl.constexpr):
+    """The least key t with (count or weight of keys above t) < bound, searched among probability bits in
+    (lo, hi]. Returns the key, its probability bits b, the count or weight above b, and how many of b's
+    group survive.
+
+    Bisection finds the probability b of the cut; the members of b's tie group, all of one weight, then
+    rank by id, so how many survive is arithmetic."""
+    b, above = _least_bits(row_ptr, V, lo, hi, bound, BY_COUNT, BLOCK)
+    size, last = _group(row_ptr, V, b, BLOCK)
+    unit = tl.where(BY_COUNT, 1, _fixed(b.to(tl.float32, bitcast=True)))
+    # member j (0-based, in id order) survives while above + j * unit < bound; member 0 does
+    j_lo = tl.zeros((), dtype=tl.int64)
+    j_hi = size
+    while j_hi - j_lo > 1:
+        mid = j_lo + (j_hi - j_lo) // 2
+        ok = (above + mid * unit).to(tl.float64) < bound
+        j_lo = tl.where(ok, mid, j_lo)
+        j_hi = tl.where(ok, j_hi, mid)
+    kept = j_lo + 1
+    cut_id = last
+    if kept < size:
+        cut_id = _nth_id(row_ptr, V, b, kept, BLOCK)
+    key = (b.to(tl.int64) << ID_BITS) | ((1 << ID_BITS) - 1 - cut_id.to(tl.int64))
+    return key, b, above, kept
+
+
+@triton.jit
+def _kept(offs, bits, p, cut_bits, cut_id, min_w):
+    """Weights of the tokens at or above the cut (a (bits, id) pair) and at or above min-p's weight."""
+    w = _fixed(p)
+    at_least = (bits > cut_bits) | ((bits == cut_bits) & (offs <= cut_id))
+    return tl.where(at_least & (w >= min_w), w, 0)
+
+
+@triton.jit
+def _sample_kernel(
+    probs_ptr,
+    stride,
+    V,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    param_stride,  # top_p and min_p are columns of one [N, 3] float32 tensor (SamplingBatch)
+    u_ptr,
+    tokens_ptr,
+    cuts_ptr,
+    BLOCK: tl.constexpr,
+    ID_BITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = probs_ptr + row.to(tl.int64) * stride
+    k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row * param_stride).to(tl.float64)
+    total = tl.zeros((BLOCK,), dtype=tl.int64)
+    lo = tl.full((BLOCK,), 0x7FFFFFFF, dtype=tl.int32)
+    hi = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        total += _fixed(p)
+        lo = tl.minimum(lo, tl.where(valid, bits, 0x7FFFFFFF))
+        hi = tl.maximum(hi, bits)
+    total = tl.sum(total)
+    lo = tl.min(lo) - 1  # below every token: the searches' predicates fail there
+    hi = tl.max(hi)
+    top = _fixed(hi.to(tl.float32, bitcast=True))  # the largest weight: the top token survives everything
+
+    cut = tl.zeros((), dtype=tl.int64)  # no truncation: every key is >= 0
+    if k < V:  # the k-th largest key; the top-p bound is a share of the weight from there up
+        cut, b, _, kept = _cut(row_ptr, V, lo, hi, k.to(tl.float64), True, BLOCK, ID_BITS)
+        total = _above(row_ptr, V, b, False, BLOCK) + kept * _fixed(b.to(tl.float32, bitcast=True))
+        lo = b - 1
+    kept_total = total
+    if top_p < 1.0:
+        key, b, above, kept = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
+        if key > cut:  # else the top-k cut is the higher one, and total what survives it
+            kept_total = above + kept * _fixed(b.to(tl.float32, bitcast=True))
+        cut = tl.maximum(cut, key)
+    cut_bits = (cut >> ID_BITS).to(tl.int32)
+    cut_id = ((1 << ID_BITS) - 1 - (cut & ((1 << ID_BITS) - 1))).to(tl.int32)
+
+    # min-p against the largest weight; integer weights pass a float bound when they reach its ceiling
+    floor = tl.load(min_p_ptr + row * param_stride).to(tl.float64) * top.to(tl.float64)
+    min_w = floor.to(tl.int64)
+    min_w = tl.where(min_w.to(tl.float64) < floor, min_w + 1, min_w)
+    if min_w > 0:
+        acc = tl.zeros((BLOCK,), dtype=tl.int64)
+        for start in range(0, V, BLOCK):
+            offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+            acc += _kept(offs, bits, p, cut_bits, cut_id, min_w)
+        kept_total = tl.sum(acc)
+
+    # inverse CDF in token order: the token is the number of positions whose running weight is <= target
+    target = (tl.load(u_ptr + row) * kept_total.to(tl.float64)).to(tl.int64)
+    target = tl.minimum(target, kept_total - 1)  # u * total may round up to total: take the last token
+    running = tl.zeros((), dtype=tl.int64)
+    token = tl.zeros((BLOCK,), dtype=tl.int64)
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        kw = _kept(offs, bits, p, cut_bits, cut_id, min_w)
+        cdf = running + tl.cumsum(kw, axis=0)
+        token += (valid & (cdf <= target)).to(tl.int64)
+        running += tl.sum(kw)
+    tl.store(tokens_ptr + row, tl.sum(token))
+    tl.store(cuts_ptr + row, cut)
+
+
+def id_bits(vocab: int) -> int:
+    return max(1, (vocab - 1).bit_length())
+
+
+def sample_rows(
+    probs: torch.Tensor,
+    vocab: int,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs: float32 [N, >= vocab] (row stride may exceed vocab). Returns each row's token and cut key
+    (int64 [N]): the tokens that survive top-k and top-p are those whose key (`keys`) is >= the cut."""
+    N = probs.shape[0]
+    assert top_p.stride(0) == min_p.stride(0) and top_k.is_contiguous() and uniforms.is_contiguous()
+    tokens = torch.empty(N, dtype=torch.int64, device=probs.device)
+    cuts = torch.empty(N, dtype=torch.int64, device=probs.device)
+    _sample_kernel[(N,)](
+        probs, probs.stride(0), vocab, top_k, top_p, min_p, top_p.stride(0), uniforms, tokens, cuts,
+        BLOCK=BLOCK, ID_BITS=id_bits(vocab), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return tokens, cuts
