@@ -119,7 +119,10 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile the decode steps")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
     if args.model is None:
         folder = build_checkpoint(Path(tempfile.mkdtemp()) / "toy", "qwen3", tokenizer=False)
     else:
@@ -137,7 +140,8 @@ def main() -> None:
             cuda_graph=not args.no_graphs,
             **({"overlap_schedule": overlap} if "overlap_schedule" in OPTIONS else {}),
         )
-        print(f"{args.device} {folder.name} backend={engine.backend_name} overlap={overlap}")
+        label = overlap if "overlap_schedule" in OPTIONS else "n/a"
+        print(f"{args.device} {folder.name} backend={engine.backend_name} overlap={label}")
         clock = ModelClock(engine)
         run_batch(
             engine, clock, max(args.batch_sizes), argparse.Namespace(**{**vars(args), "profile": False})
