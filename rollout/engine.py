@@ -768,7 +768,10 @@ class Engine:
             if self._closed:
                 return
             if self._in_flight is not None:  # its kernels read the weights and KV released below
-                self._in_flight.launched.collect()
+                try:
+                    self._in_flight.launched.collect()
+                except Exception:  # a failed step: shutting down regardless
+                    log.exception("shutdown: the step in flight failed")
             self._abort_everything()
             self.pages.reset()
             self.memory.release(list(TAGS), keep_weights_backup=False)
