@@ -3,7 +3,12 @@
 The engine builds and owns its components and drives one step loop:
 `add_request` queues, `step` runs schedule -> run -> postprocess once, `generate` loops over `step`.
 Every public method takes one lock, so calls from several threads are serialised, never interleaved.
-See docs/architecture.md.
+
+With `overlap_schedule`, `step` launches the next step before collecting the one in flight, so the
+host prepares step k+1 while the device runs step k, and step k's tokens are reported one call late.
+Every public method other than add_request / step / has_unfinished first collects the step in flight
+(`_collect_in_flight`): weights, memory, adapters and aborts never change under a queued step. See
+docs/architecture.md, "The step pipeline".
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput
 from rollout.requests import check_lengths, check_params, check_prompts, normalize_params, normalize_prompts
 from rollout.results import request_output
-from rollout.runner.model_runner import ModelRunner
+from rollout.runner.model_runner import Launched, ModelRunner
 from rollout.sampling import SamplingParams
-from rollout.scheduler import Scheduler
+from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
 from rollout.sequence import Request, Sequence
 from rollout.stop import StopChecker
@@ -51,17 +56,35 @@ GPU_RESERVE_BYTES = 2 << 30  # activations, logits, sampling and graph buffers b
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def serialised(fn: F) -> F:
-    """Run a public method under the engine's lock (re-entrant: generate calls step)."""
+def serialised(fn: F | None = None, *, keeps_step_in_flight: bool = False) -> Any:
+    """Run a public method under the engine's lock (re-entrant: generate calls step). Unless it
+    `keeps_step_in_flight`, the step in flight is collected first: what the method reads or changes
+    (weights, memory, adapters, requests' tokens) is then the state after every step launched."""
 
-    @functools.wraps(fn)
-    def locked(self: Engine, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{fn.__name__}: the engine was shut down")
-            return fn(self, *args, **kwargs)
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def locked(self: Engine, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"{fn.__name__}: the engine was shut down")
+                if not keeps_step_in_flight:
+                    self._collect_in_flight()
+                return fn(self, *args, **kwargs)
 
-    return locked  # type: ignore[return-value]
+        return locked  # type: ignore[return-value]
+
+    return wrap(fn) if fn is not None else wrap
+
+
+@dataclass
+class _InFlight:
+    """A launched step not yet collected: its batch, its sampled rows' sequences (None: discarded), the
+    runner's handle, and the weight version that computes it."""
+
+    batch: ScheduledBatch
+    rows: list[Sequence | None]
+    launched: Launched
+    weight_version: int
 
 
 @dataclass(frozen=True)
@@ -166,6 +189,9 @@ class Engine:
         self._generate_ids = itertools.count()
         self._totals = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
+        self._overlap = cfg.overlap_schedule
+        self._in_flight: _InFlight | None = None
+        self._collected: list[RequestOutput] = []  # from a step collected outside `step`, not yet reported
         self._last_stats: dict[str, float] = {}
         log.info(
             "loaded %s (%s, %s) on %s in %.1fs: KV pool %d tokens (%.2f GB), attention=%s",
@@ -261,7 +287,7 @@ class Engine:
         )
 
     # -- requests ---------------------------------------------------------------------------------
-    @serialised
+    @serialised(keeps_step_in_flight=True)
     def add_request(
         self,
         request_id: Hashable,
@@ -292,26 +318,68 @@ class Engine:
             agreed.propose(inputs=(request_id, tokens, params), engine_state=self._schedule_state())
         self._queue(request_id, tokens[0], params[0], texts[0] if texts else None, stream)
 
-    @serialised
+    @serialised(keeps_step_in_flight=True)
     def step(self) -> list[RequestOutput]:
         """Run one step of the batch; returns the requests it finished, deltas of streamed ones, and the
-        requests a release or weight update aborted since the last step."""
-        reported = [request_output(r, self.tokenizer) for r in self._aborted]
+        requests a release or weight update aborted since the last step. With overlap_schedule, the
+        step's results come back with the next call (the last ones with the call that finds no work)."""
+        reported = [request_output(r, self.tokenizer) for r in self._aborted] + self._collected
         self._aborted.clear()
+        self._collected = []
         if self.scheduler.has_work():  # retracted requests may wait across a release: never run on it
             self._check_ready("step")
         batch = self.scheduler.schedule()
+        if batch is None and self._in_flight is not None:  # what runs next depends on its results
+            reported += self._collect()
+            batch = self.scheduler.schedule()
         if batch is None:
             return reported
-        try:
-            out = self.runner.step(batch)
-        except BaseException:
-            self.scheduler.abort_all()  # a failed step leaves no request half-computed
-            raise
+        if self._in_flight is not None and self._needs_host_tokens(batch):
+            reported += self._collect()
+        launched = self._launch(batch)
+        if self._in_flight is not None:  # the device runs the new step while this one's tokens land
+            reported += self._collect()
+        rows = self.scheduler.account(batch, launched.sampled)
+        self._in_flight = _InFlight(batch, rows, launched, self.weights.version)
         self._totals["steps"] += 1
         self._totals["decode_tokens" if batch.decode else "prefill_tokens"] += batch.num_tokens
-        touched = self.scheduler.postprocess(batch, out, self.weights.version)
-        return reported + [request_output(r, self.tokenizer) for r in touched if r.stream or r.finished]
+        if not self._overlap or not self.scheduler.requests:  # nothing left for it to overlap with
+            reported += self._collect()
+        return reported
+
+    def _launch(self, batch: ScheduledBatch) -> Launched:
+        prev = self._in_flight.launched if self._in_flight is not None else None
+        try:
+            return self.runner.launch(batch, prev)
+        except BaseException:
+            self._abort_everything()  # a failed step leaves no request half-computed
+            raise
+
+    def _collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight and postprocess it; the outputs to report."""
+        step, self._in_flight = self._in_flight, None
+        try:
+            out = step.launched.collect()
+        except BaseException:
+            self._abort_everything()
+            raise
+        touched = self.scheduler.postprocess(step.batch, step.rows, out, step.weight_version)
+        return [request_output(r, self.tokenizer) for r in touched if r.stream or r.finished]
+
+    def _collect_in_flight(self) -> None:
+        """Collect the step in flight (if any) outside `step`: the next `step` reports its outputs."""
+        if self._in_flight is not None:
+            self._collected += self._collect()
+        self.runner.reset()
+
+    def _abort_everything(self) -> None:
+        self._in_flight = None  # its queued work only writes pages that are freed now (stream order)
+        self.scheduler.abort_all()
+
+    def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
+        """Whether building `batch` reads tokens the step in flight samples: min_tokens, logit_bias and
+        penalties are built from each sequence's tokens on the host."""
+        return any(s.pending and s.params.adjusts_logits for s in batch.seqs)
 
     @serialised
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
@@ -320,6 +388,8 @@ class Engine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
+        # the collected step's delta of it, if any, is superseded by the whole output
+        self._collected = [o for o in self._collected if o.request_id != request_id]
         req.stream = False  # the abort reports the whole output
         return request_output(req, self.tokenizer)
 
@@ -331,7 +401,7 @@ class Engine:
         retracted."""
         return self.scheduler.retract_all()
 
-    @serialised
+    @serialised(keeps_step_in_flight=True)
     def has_unfinished(self) -> bool:
         """Whether requests are in flight (queued or running)."""
         return bool(self.scheduler.requests)
@@ -408,7 +478,7 @@ class Engine:
                     tok_s = (self._totals["decode_tokens"] - before[0]["decode_tokens"]) / elapsed
                     bar.set_postfix_str(f"{tok_s:.0f} tok/s", refresh=False)
         except BaseException:
-            self.scheduler.abort_all()  # free every page so the engine stays usable
+            self._abort_everything()  # free every page so the engine stays usable
             raise
         finally:
             bar.close()
@@ -715,7 +785,12 @@ class Engine:
         with self._lock:
             if self._closed:
                 return
-            self.scheduler.abort_all()
+            if self._in_flight is not None:  # its kernels read the weights and KV released below
+                try:
+                    self._in_flight.launched.collect()
+                except Exception:  # a failed step: shutting down regardless
+                    log.exception("shutdown: the step in flight failed")
+            self._abort_everything()
             self.pages.reset()
             self.memory.release(list(TAGS), keep_weights_backup=False)
             self._closed = True

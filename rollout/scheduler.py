@@ -5,7 +5,11 @@ decode step (one token for every running sequence). Prefill goes first, so new r
 decode steps. When the pool runs out of pages the newest running sequence is preempted: its pages
 are freed and it waits to be recomputed from its tokens later; it is never dropped.
 
-After the model ran, `postprocess` appends the sampled tokens, checks stops, and finishes and frees
+A step is accounted in two halves, so the engine may launch the next step before this one's tokens are
+back (docs/architecture.md, "The step pipeline"). `account`, once the step is launched, counts the
+computed tokens, indexes filled pages and appends a PENDING placeholder for each token the step
+samples: lengths, positions and page needs are then right for scheduling the next step. `postprocess`,
+once the tokens are back, puts them in place of the placeholders, checks stops, and finishes and frees
 what ended. The scheduler owns the requests in flight: they leave it when finished or aborted.
 """
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 from rollout.cache.pages import PageManager
 from rollout.runner.batch import StepOutput
-from rollout.sequence import Request, Sequence, Status
+from rollout.sequence import PENDING, Request, Sequence, Status
 from rollout.stop import StopChecker
 
 
@@ -58,15 +62,24 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch; None when nothing can run, or nothing can run until the tokens of the
+        step in flight are back (then the engine collects them and asks again)."""
         while self.has_work():
             batch = self._prefill_batch() or self._decode_batch()
             if batch is not None:
                 self.retracted = False
                 return batch
+            if self._awaits_results():
+                return None
             if not self.running:
                 raise RuntimeError("the KV pool cannot hold a single waiting request; raise max_total_tokens")
             self._preempt(self.running[-1])
         return None
+
+    def _awaits_results(self) -> bool:
+        """Whether what blocks scheduling is a step in flight: a sequence that ends with it (its pages
+        are freed once it is collected), or a preempted one whose last token is still on its way."""
+        return any(_ends_in_flight(s) for s in self.running) or bool(self.waiting and self.waiting[0].pending)
 
     def _prefill_batch(self) -> ScheduledBatch | None:
         budget, seqs, chunks = self.max_prefill_tokens, [], []
@@ -77,7 +90,7 @@ class Scheduler:
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if seq.pending or not self._admit(seq):  # pending: its prompt would hold the placeholder
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -102,6 +115,9 @@ class Scheduler:
         seqs, i = [], 0
         while i < len(self.running):
             seq = self.running[i]
+            if _ends_in_flight(seq):  # nothing more to compute for it
+                i += 1
+                continue
             if self._grow(seq):
                 seqs.append(seq)
                 i += 1
@@ -164,21 +180,58 @@ class Scheduler:
         return self.retracted and not self.running
 
     # -- after the model ran ----------------------------------------------------------------------
+    def account(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence | None]:
+        """Count a launched step's computed chunks and index the pages they filled; each sequence at
+        batch row `sampled[i]` gets a PENDING placeholder for the token it samples. Returns, per sampled
+        row, its sequence, or None when it finished while the step was in flight (its token is
+        discarded). Called once the step before it is collected, so every computed token is known and
+        the next schedule sees what it would without overlap (filled pages, released followers)."""
+        S = self.pages.page_size
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            if seq.status is Status.FINISHED:
+                continue
+            seq.num_computed += chunk
+            if seq.num_computed // S > seq.num_indexed_pages:  # a page was filled: index it
+                seq.num_indexed_pages = self.pages.register(
+                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed, seq.cache_salt
+                )
+        rows: list[Sequence | None] = []
+        for i in sampled:
+            seq = batch.seqs[i]
+            if seq.status is Status.FINISHED:
+                rows.append(None)
+                continue
+            rows.append(seq)
+            if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
+                self.waiting.extendleft(reversed(seq.followers))
+                seq.followers = []
+            if not seq.score_only:
+                seq.token_ids.append(PENDING)
+                seq.pending = True
+        return rows
+
     def postprocess(
-        self, batch: ScheduledBatch, out: StepOutput | None, weight_version: int = 0
+        self,
+        batch: ScheduledBatch,
+        rows: list[Sequence | None],
+        out: StepOutput | None,
+        weight_version: int = 0,
     ) -> list[Request]:
-        """Account for the computed chunks, append the sampled tokens (each with the `weight_version`
-        that sampled it), finish what stopped. Returns the requests that gained a token (finished ones
-        have left the scheduler)."""
+        """Once an accounted step's results are back: put each sampled token (with the `weight_version`
+        that sampled it) in place of its placeholder, finish what stopped. Returns the requests that
+        gained a token (finished ones have left the scheduler)."""
         touched: dict[Hashable, Request] = {}
         if out is not None and out.prompt:
             _add_prompt_logprobs(batch, out.prompt)
-        for i, seq in enumerate(self._advance(batch)):
+        for i, seq in enumerate(rows):
+            if seq is None or seq.status is Status.FINISHED:
+                continue
             if seq.score_only:  # Engine.score: its logprobs are all in, nothing to sample
                 self._finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]
                 continue
-            seq.token_ids.append(out.tokens[i])
+            seq.token_ids[-1] = out.tokens[i]
+            seq.pending = False
             seq.weight_versions.append(weight_version)
             if seq.params.logprobs:
                 seq.logprobs.append(out.logprobs[i])
@@ -192,24 +245,11 @@ class Scheduler:
                 del self.requests[rid]
         return list(touched.values())
 
-    def _advance(self, batch: ScheduledBatch) -> list[Sequence]:
-        """Account for the computed chunks; returns the sequences that now sample a token."""
-        ready, S = [], self.pages.page_size
-        for seq, chunk in zip(batch.seqs, batch.chunks):
-            seq.num_computed += chunk
-            if seq.num_computed // S > seq.num_indexed_pages:  # a page was filled: index it
-                seq.num_indexed_pages = self.pages.register(
-                    seq.pages, seq.token_ids, seq.num_indexed_pages, seq.num_computed, seq.cache_salt
-                )
-            if seq.num_computed == len(seq.token_ids):
-                ready.append(seq)
-                if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
-                    self.waiting.extendleft(reversed(seq.followers))
-                    seq.followers = []
-        return ready
-
     def _finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
         self._free(seq)
         seq.status = Status.FINISHED
 
@@ -223,6 +263,9 @@ class Scheduler:
         self.running = [s for s in self.running if s not in live]
         self.waiting = deque(s for s in self.waiting if s not in live)
         for seq in req.seqs:
+            if seq.pending:  # its token in flight is never reported
+                seq.token_ids.pop()
+                seq.pending = False
             if seq.status is not Status.FINISHED:
                 self._free(seq)
                 seq.followers = []
@@ -232,6 +275,12 @@ class Scheduler:
     def abort_all(self) -> list[Request]:
         """Abort every request in flight (their pages are freed); returns them."""
         return [self.abort(rid) for rid in list(self.requests)]
+
+
+def _ends_in_flight(seq: Sequence) -> bool:
+    """Whether the step in flight ends `seq` whatever it samples: a score (nothing to sample after its
+    prefill) or a sample at max_new_tokens once its pending token lands."""
+    return seq.needs == 0 or (seq.pending and seq.num_output >= seq.params.max_new_tokens)
 
 
 def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:

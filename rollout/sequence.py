@@ -14,6 +14,7 @@ from rollout.outputs import FinishReason
 from rollout.sampling import SamplingParams
 
 MASK64 = (1 << 64) - 1
+PENDING = -1  # in token_ids: the token a step still in flight samples (Sequence.pending)
 
 
 class Status(Enum):
@@ -52,6 +53,8 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprobs_from, ...
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
+    # token_ids[-1] is PENDING: a launched step samples it, and postprocess puts it in place
+    pending: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -96,9 +99,20 @@ def uniforms(seqs: list[Sequence]) -> np.ndarray:
     """The random number each sequence samples its next token with (float64 [N] in (0, 1)): a
     splitmix64 hash of (seed, output index), so a sample is the same whatever else is in the batch,
     and after preemption and recompute. uint64 numpy arithmetic wraps modulo 2**64."""
-    n = len(seqs)
-    seed = np.fromiter((s.seed & MASK64 for s in seqs), dtype=np.uint64, count=n)
-    draw = np.fromiter((len(s.token_ids) - s.num_prompt + 1 for s in seqs), dtype=np.uint64, count=n)
+    return hashed_uniforms(seeds(seqs), draws(seqs))
+
+
+def seeds(seqs: list[Sequence]) -> np.ndarray:
+    return np.fromiter((s.seed & MASK64 for s in seqs), dtype=np.uint64, count=len(seqs))
+
+
+def draws(seqs: list[Sequence]) -> np.ndarray:
+    """uint64 [N]: the output index of each sequence's next token (1 for the first)."""
+    return np.fromiter((len(s.token_ids) - s.num_prompt + 1 for s in seqs), dtype=np.uint64, count=len(seqs))
+
+
+def hashed_uniforms(seed: np.ndarray, draw: np.ndarray) -> np.ndarray:
+    """`uniforms` from uint64 seeds and draw indices (a decode batch keeps both and adds 1 a step)."""
     x = seed * _U64[0] + draw * _U64[1]
     x = (x ^ (x >> np.uint64(30))) * _U64[2]
     x = (x ^ (x >> np.uint64(27))) * _U64[3]

@@ -196,15 +196,15 @@ def rank_one_raises(path: str, timeout: float):
 
     engine = Engine(path, tp_size=2, tp_timeout=timeout, **ENGINE)
     if dist.get_rank() == 1:
-        real, calls = engine.runner.step, []
+        real, calls = engine.runner.launch, []
 
-        def failing_step(batch):
+        def failing_step(batch, prev=None):
             calls.append(1)
             if len(calls) == 3:
                 raise RuntimeError("injected fault on rank 1")
-            return real(batch)
+            return real(batch, prev)
 
-        engine.runner.step = failing_step
+        engine.runner.launch = failing_step
     t0 = time.monotonic()
     try:
         engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)

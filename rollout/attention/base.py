@@ -30,6 +30,9 @@ class AttnBatch:
     max_q_len: int
     max_seq_len: int
     page_table_cpu: np.ndarray | None = None  # int32 [B, >= pages used]: host copy (flashinfer plans from it)
+    # the same sequences' pages as in the previous decode step of this batch size (only seq_lens moved):
+    # planning may reuse what it derived from the page table then
+    same_pages: bool = False
 
     @property
     def batch_size(self) -> int:

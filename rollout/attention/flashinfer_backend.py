@@ -53,6 +53,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # bs -> indptr, indices, last_page_len
         self._graph_int_workspace: torch.Tensor | None = None
+        self._graph_indptr: dict[int, np.ndarray] = {}  # bs -> the indptr its buffers were last filled with
         self._plan_events: dict[int, Any] = {}  # id(wrapper) -> event recorded after its last plan
 
     # -- planning ---------------------------------------------------------------------------------
@@ -90,14 +91,24 @@ class FlashInferBackend(AttentionBackend):
         # before a replay: fill the graph's CSR buffers in one upload, then flashinfer's lean re-plan,
         # which skips the buffer copies and host loops of plan() (the plan's shape depends only on bs)
         wrapper = self._graph_wrappers[bs]
-        indptr, indices, last = paged_csr(batch.seq_lens_cpu, batch.page_table_cpu, self.kv.page_size)
         indptr_buf, indices_buf, last_buf = self._graph_buffers[bs]
-        if len(indices) > len(indices_buf):
-            raise ValueError(f"{len(indices)} pages exceed the CUDA-graph buffer of {len(indices_buf)}")
-        dev_indptr, dev_indices, dev_last = to_device([indptr, indices, last], self.device)
-        indptr_buf.copy_(dev_indptr, non_blocking=True)
-        indices_buf[: len(indices)].copy_(dev_indices, non_blocking=True)
-        last_buf.copy_(dev_last, non_blocking=True)
+        kept = self._graph_indptr.get(bs)
+        if batch.same_pages and kept is not None:
+            # the pages are the last step's (no request entered a new page): indptr and indices, on the
+            # host and in the graph's buffers, still hold; only the last page's fill moved
+            indptr = kept
+            lens = np.maximum(np.asarray(batch.seq_lens_cpu, dtype=np.int32), 1)
+            last = (lens - (np.diff(indptr) - 1) * self.kv.page_size).astype(np.int32)
+            last_buf.copy_(to_device([last], self.device)[0], non_blocking=True)
+        else:
+            indptr, indices, last = paged_csr(batch.seq_lens_cpu, batch.page_table_cpu, self.kv.page_size)
+            if len(indices) > len(indices_buf):
+                raise ValueError(f"{len(indices)} pages exceed the CUDA-graph buffer of {len(indices_buf)}")
+            dev_indptr, dev_indices, dev_last = to_device([indptr, indices, last], self.device)
+            indptr_buf.copy_(dev_indptr, non_blocking=True)
+            indices_buf[: len(indices)].copy_(dev_indices, non_blocking=True)
+            last_buf.copy_(dev_last, non_blocking=True)
+            self._graph_indptr[bs] = indptr
         self._wait_for_last_plan(wrapper)
         flashinfer.fast_decode_plan(
             wrapper,

@@ -36,6 +36,11 @@ class HostBatch:
     page_table: np.ndarray  # int32 [B, max_pages]
     sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
     token_slots: np.ndarray | None = None  # int64 [T]: LoRA slot per token (None: every token on the base)
+    # a decode step of the same sequences as the last one, run the same way (the same CUDA graph, or
+    # eagerly): its LoRA slots are as then, and with same_pages its page table too (no sequence entered a
+    # new page), so a graph's copies of them may be skipped
+    same_seqs: bool = False
+    same_pages: bool = False
 
     @property
     def batch_size(self) -> int:

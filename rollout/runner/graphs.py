@@ -90,11 +90,13 @@ class GraphRunner:
         self.pool: Any = None
         self.capture_seconds = 0.0
         self.memory_bytes = 0
+        self._loads_since_capture = 0
 
     # -- capture ----------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every ladder size, largest first (the first graph's pool is shared by the rest)."""
         self.graphs, self.pool = {}, None
+        self._loads_since_capture = 0
         free_before = self._free_memory()
         t0 = time.perf_counter()
         for bs in reversed(self.ladder):
@@ -150,6 +152,10 @@ class GraphRunner:
     def fits(self, batch_size: int) -> bool:
         return bool(self.graphs) and batch_size <= self.max_bs
 
+    def padded(self, batch_size: int) -> int | None:
+        """The captured size a batch of `batch_size` replays."""
+        return padded_size(self.ladder, batch_size)
+
     def load(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
         """Copy a decode step's host batch into the static buffers, padded to the next captured size;
         returns the StepInputs that `replay` runs."""
@@ -166,13 +172,19 @@ class GraphRunner:
         table[:B] = host.page_table
         self.longs[: 3 * bs].copy_(self._host(longs), non_blocking=True)
         self.seq_lens[:bs].copy_(self._host(seq_lens), non_blocking=True)
-        self.page_table[:B, :mp].copy_(self._host(host.page_table), non_blocking=True)
-        if self.lora_slots is not None:
+        # the last load was these sequences' previous step (the runner saw no replay in between): the
+        # buffers already hold their pages and slots. A capture since then writes the buffers.
+        kept = self._loads_since_capture > 0
+        self._loads_since_capture += 1
+        if not (kept and host.same_pages):
+            self.page_table[:B, :mp].copy_(self._host(host.page_table), non_blocking=True)
+        if self.lora_slots is not None and not (kept and host.same_seqs):
             lora_slots = np.zeros(bs, dtype=np.int64)  # padding rows: the base model
             if host.token_slots is not None:
                 lora_slots[:B] = host.token_slots
             self.lora_slots[:bs].copy_(self._host(lora_slots), non_blocking=True)
         attn = self._attn(bs, seq_lens.tolist(), table)
+        attn.same_pages = kept and host.same_pages
         return StepInputs(self.longs[:bs], self.longs[bs : 2 * bs], attn, slice(0, B), sampling, graph_bs=bs)
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:

@@ -4,11 +4,18 @@ Host work per step is numpy over the batch (no per-request tensor work): the pag
 mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
 non-blocking copy (transfer.py). Decode steps that fit a captured CUDA graph write straight into its
 static buffers.
+
+A decode batch of the same sequences as the last step (the steady state) reuses what cannot have
+changed (_DecodeState): their page-table rows (only rows entering a new page are synced), sampling
+parameters, seeds and LoRA slots. `launch` queues a step and returns it in flight (`Launched`): its
+tokens stay on the device, where the next step may take its input ids from, and come back to the host
+in one non-blocking copy that `collect` waits for.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,12 +27,66 @@ from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
 from rollout.scoring import prompt_logprobs
-from rollout.sequence import uniforms
+from rollout.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 from rollout.transfer import to_device
 
 if TYPE_CHECKING:
     from rollout.lora import LoraManager
     from rollout.scheduler import ScheduledBatch
+
+
+@dataclass
+class _DecodeState:
+    """The last decode step's batch, kept while the next one holds the same sequences."""
+
+    seq_ids: list[int]
+    rows: np.ndarray  # int64 [B]: their page-table rows
+    positions: np.ndarray  # int64 [B]: the positions the step computed
+    seeds: np.ndarray  # uint64 [B]
+    draws: np.ndarray  # uint64 [B]: the output index the step sampled
+    sampling: SamplingBatch
+    token_slots: np.ndarray | None
+    graph_bs: int | None  # the CUDA graph that ran it (None: eager)
+
+
+@dataclass
+class Launched:
+    """A step whose device work is queued. `tokens` (device, int64 [N]) are the sampled tokens of batch
+    rows `sampled`, whose sequences are `seq_ids`; `packed` is their host copy (tokens, logprobs, top
+    logprobs), complete once `event` has passed."""
+
+    sampled: list[int]
+    seq_ids: list[int]
+    tokens: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+    event: Any = None
+    num_top: int = 0
+    prompt: dict | None = None  # logprobs of given tokens (host values already)
+
+    @classmethod
+    def start(cls, sampled: list[int], seq_ids: list[int], res: SampleResult, k: int, prompt) -> Launched:
+        """Queue one device-to-host copy of everything the step produced (pinned, non-blocking)."""
+        cols = [res.tokens.double().unsqueeze(1), res.logprobs.double().unsqueeze(1)]
+        if k:
+            cols += [res.top_ids.double(), res.top_logprobs.double()]
+        packed, event = torch.cat(cols, dim=1), None
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            packed = host
+        return cls(sampled, seq_ids, res.tokens, packed, event, k, prompt)
+
+    def collect(self) -> StepOutput | None:
+        """Wait for the copy; the host-side results (None: nothing sampled and no prompt logprobs)."""
+        if self.packed is None:
+            return None if self.prompt is None else StepOutput([], [], None, self.prompt)
+        if self.event is not None:
+            self.event.synchronize()
+        out = _unpack(self.packed.tolist(), self.num_top)
+        out.prompt = self.prompt
+        return out
 
 
 class ModelRunner:
@@ -49,6 +110,12 @@ class ModelRunner:
         self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
         self.graphs: GraphRunner | None = None  # decode graphs, once captured
         self.graph_steps = self.eager_steps = 0
+        self._decode: _DecodeState | None = None
+
+    def reset(self) -> None:
+        """Forget the kept decode batch (the engine calls it around weight, memory and adapter changes,
+        so nothing kept outlives them; a kept batch also checks itself every step)."""
+        self._decode = None
 
     def capture_graphs(
         self, max_bs: int, hidden_size: int, dtype: torch.dtype, capture: CaptureContext
@@ -70,9 +137,11 @@ class ModelRunner:
 
     # -- host side --------------------------------------------------------------------------------
     def host_batch(self, batch: ScheduledBatch) -> HostBatch:
+        return self._host_arrays(batch, self.page_table.rows(batch.seqs))
+
+    def _host_arrays(self, batch: ScheduledBatch, rows: np.ndarray) -> HostBatch:
         seqs, S = batch.seqs, self.page_size
         B = len(seqs)
-        rows = self.page_table.rows(seqs)
         starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=B)
         if batch.decode:
             ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=B)
@@ -99,19 +168,79 @@ class ModelRunner:
         per_seq = np.fromiter((slot(s.params.lora_name) for s in seqs), dtype=np.int64, count=len(seqs))
         return per_seq[owner]
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        host = self.host_batch(batch)
-        seqs = batch.seqs if host.decode else [batch.seqs[i] for i in host.sampled.tolist()]
-        sampling = (
-            SamplingBatch.build([s.params for s in seqs], uniforms(seqs), self.vocab_size, self.device)
-            if seqs
-            else None
-        )
-        if sampling is not None and sampling.adjusts_logits:
-            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
+    def prepare(self, batch: ScheduledBatch, prev: Launched | None = None) -> StepInputs:
+        """The step's device inputs; with `prev` (the step in flight), pending input ids are taken from
+        its sampled tokens on the device."""
+        return self._prepare(batch, prev)[0]
+
+    def _prepare(
+        self, batch: ScheduledBatch, prev: Launched | None
+    ) -> tuple[StepInputs, HostBatch, list[int]]:
+        if batch.decode:
+            host, sampling, seq_ids = self._decode_host(batch)
+        else:
+            self._decode = None
+            host = self.host_batch(batch)
+            seqs = [batch.seqs[i] for i in host.sampled.tolist()]
+            sampling = self._sampling(seqs, uniforms(seqs))
+            seq_ids = [s.seq_id for s in seqs]
+        if self._graph_bs(host) is not None:
+            inputs = self.graphs.load(host, sampling)
+        else:
+            inputs = self.eager_inputs(host, sampling)
+        if prev is not None and batch.decode:
+            _take_pending_ids(inputs.input_ids, batch.seqs, seq_ids, prev)
+        return inputs, host, seq_ids
+
+    def _graph_bs(self, host: HostBatch) -> int | None:
         if host.decode and self.graphs is not None and self.graphs.fits(host.batch_size):
-            return self.graphs.load(host, sampling)
-        return self.eager_inputs(host, sampling)
+            return self.graphs.padded(host.batch_size)
+        return None
+
+    def _sampling(self, seqs: list[Sequence], us: np.ndarray) -> SamplingBatch | None:
+        if not seqs:
+            return None
+        sampling = SamplingBatch.build([s.params for s in seqs], us, self.vocab_size, self.device)
+        if sampling.adjusts_logits:
+            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
+        return sampling
+
+    def _decode_host(self, batch: ScheduledBatch) -> tuple[HostBatch, SamplingBatch, list[int]]:
+        """A decode step's host batch and sampling; the kept state when the sequences are the last
+        step's, one token further (anything else, a preempted and resumed sequence included, rebuilds)."""
+        seqs, state = batch.seqs, self._decode
+        seq_ids = [s.seq_id for s in seqs]
+        starts = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=len(seqs))
+        if state is None or state.seq_ids != seq_ids or not np.array_equal(starts, state.positions + 1):
+            rows = self.page_table.rows(seqs)
+            host = self._host_arrays(batch, rows)
+            sd, dr = seeds(seqs), draws(seqs)
+            sampling = self._sampling(seqs, hashed_uniforms(sd, dr))
+            graph_bs = self._graph_bs(host)
+            self._decode = _DecodeState(seq_ids, rows, starts, sd, dr, sampling, host.token_slots, graph_bs)
+            return host, sampling, seq_ids
+        S = self.page_size
+        entered = np.flatnonzero(starts % S == 0)  # these sequences' new token starts a new page
+        if len(entered):
+            self.page_table.rows([seqs[i] for i in entered.tolist()])
+        seq_lens = starts + 1
+        table = self.page_table.gather(state.rows, int(-(-seq_lens.max() // S)))
+        slots = table[np.arange(len(seqs)), starts // S].astype(np.int64) * S + starts % S
+        ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+        host = HostBatch(
+            True, ids, starts, slots, seq_lens, [1] * len(seqs), table, np.arange(len(seqs)),
+            state.token_slots,
+        )  # fmt: skip
+        graph_bs = self._graph_bs(host)
+        host.same_seqs = graph_bs == state.graph_bs  # and the same path: a graph's buffers hold them
+        host.same_pages = host.same_seqs and not len(entered)
+        state.positions, state.graph_bs = starts, graph_bs
+        state.draws = state.draws + np.uint64(1)
+        us = to_device([hashed_uniforms(state.seeds, state.draws)], self.device)[0]
+        sampling = replace(state.sampling, uniforms=us)
+        if sampling.adjusts_logits:  # min_tokens and penalties follow the tokens: rebuilt every step
+            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
+        return host, sampling, seq_ids
 
     def eager_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
         B = host.batch_size
@@ -164,25 +293,42 @@ class ModelRunner:
         return self.model.logits(self.forward_hidden(inputs)[inputs.logit_rows])
 
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> StepOutput | None:
-        inputs = self.prepare(batch)
+    def launch(self, batch: ScheduledBatch, prev: Launched | None = None) -> Launched:
+        """Queue the step on the device and return it in flight (see `Launched`). `prev`: the step still
+        in flight, whose sampled tokens are this decode step's pending input ids."""
+        inputs, host, seq_ids = self._prepare(batch, prev)
         hidden = self.forward_hidden(inputs)
         # logprobs of given tokens at the chunk's positions (rollout/scoring.py), before sampling
         prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
+        sampled = host.sampled.tolist()
         if inputs.sampling is None:
-            return None if prompt is None else StepOutput([], [], None, prompt)
+            return Launched(sampled, seq_ids, prompt=prompt)
         logits = self.model.logits(hidden[inputs.logit_rows])
-        out = to_host(sample(logits, inputs.sampling), inputs.sampling.num_top_logprobs)
-        out.prompt = prompt
-        return out
+        res = sample(logits, inputs.sampling)
+        return Launched.start(sampled, seq_ids, res, inputs.sampling.num_top_logprobs, prompt)
+
+    def step(self, batch: ScheduledBatch) -> StepOutput | None:
+        """Run one step to the end: `launch`, then `collect`."""
+        return self.launch(batch).collect()
 
 
-def to_host(res: SampleResult, k: int) -> StepOutput:
-    """One device-to-host copy for everything the step produced."""
-    cols = [res.tokens.double().unsqueeze(1), res.logprobs.double().unsqueeze(1)]
-    if k:
-        cols += [res.top_ids.double(), res.top_logprobs.double()]
-    rows = torch.cat(cols, dim=1).cpu().tolist()
+def _take_pending_ids(
+    input_ids: torch.Tensor, seqs: list[Sequence], seq_ids: list[int], prev: Launched
+) -> None:
+    """Overwrite, on the device, the input ids of the sequences whose last token `prev` samples."""
+    if prev.tokens is None:
+        return
+    if prev.seq_ids == seq_ids:  # the steady state: the same sequences, in the same order
+        input_ids[: len(seq_ids)].copy_(prev.tokens)
+        return
+    where = {sid: i for i, sid in enumerate(prev.seq_ids)}
+    pairs = [(b, where[s.seq_id]) for b, s in enumerate(seqs) if s.pending]
+    if pairs:
+        dst, src = to_device([np.array(p, dtype=np.int64) for p in zip(*pairs)], input_ids.device)
+        input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+
+
+def _unpack(rows: list[list[float]], k: int) -> StepOutput:
     tokens = [int(r[0]) for r in rows]
     logprobs = [r[1] for r in rows]
     top = [dict(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
