@@ -164,7 +164,8 @@ class _Worker:
 
 def _deltas(req: Request, sent: list[int], into: list[TokenDelta]) -> None:
     for seq in req.seqs:
-        start, end = sent[seq.sample], len(seq.token_ids) - seq.num_prompt
+        # with overlap_schedule the last token may be a placeholder of the step in flight: not yet
+        start, end = sent[seq.sample], seq.num_output - seq.pending
         if end <= start:
             continue
         sent[seq.sample] = end

@@ -317,3 +317,25 @@ def test_process_stream_text_and_stop_strings_equal_thread_mode(engine, process_
         assert text == c.text
         assert (last.finish_reason, last.stop_reason) == (c.finish_reason, c.stop_reason)
     assert any(c.stop_reason == stop for c in want.outputs)
+
+
+@pytest.mark.parametrize("kind", [AsyncEngine, ProcessAsyncEngine])
+def test_streams_under_the_overlap_schedule_equal_engine_generate(engine, qwen3_dir, kind):
+    """With overlap_schedule the step in flight holds a placeholder token: no stream may show it."""
+    want = [_greedy(engine, p, LONG) for p in PROMPTS[:3]]
+    ae = kind(qwen3_dir, overlap_schedule=True, **OPTIONS)
+
+    async def one(prompt):
+        return [o async for o in ae.stream(input_ids=prompt, sampling_params=LONG)]
+
+    async def run():
+        return await asyncio.gather(*(one(p) for p in PROMPTS[:3]))
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        ae.close()
+    for outs, w in zip(got, want):
+        assert sum((o.outputs[0].token_ids for o in outs), []) == w.token_ids
+        assert sum((o.outputs[0].logprobs for o in outs), []) == pytest.approx(w.logprobs, abs=1e-5)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
