@@ -14,8 +14,9 @@ collectives); ranks without an engine pass `engine=None`.
 
 Per-sync host work is kept off the per-tensor path: buckets are packed in the order the engine stores
 its weights (so the engine loads each as one copy), their layouts are computed once per parameter
-signature, plain tensors are packed by one multi-tensor copy, and the pack buffers of an engine are kept
-from one sync to the next (`keep_buffers`), so an EngineProcess maps them once, not at every sync.
+signature, plain tensors are packed by one multi-tensor copy, and on request (`keep_buffers`) the pack
+buffers of an engine are kept from one sync to the next instead of allocated anew. They are off by default:
+a colocated trainer would hold them through its training step.
 """
 
 from __future__ import annotations
@@ -170,8 +171,7 @@ def _fill(buffer: _PackBuffer, bucket: _Bucket) -> FlattenedBucket:
 
 
 # -- targets: where buckets go ---------------------------------------------------------------------
-# An engine's pack buffers, kept between syncs when asked (keep_buffers=True): an EngineProcess then
-# maps the same CUDA allocations at every sync instead of opening new IPC handles.
+# An engine's pack buffers, kept between syncs when asked (keep_buffers=True), so a sync allocates none.
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -486,7 +486,7 @@ def sync_weights(
     abort: bool = False,
     verify: bool = False,
     engine_order: bool = True,
-    keep_buffers: bool = True,
+    keep_buffers: bool = False,
 ) -> SyncStats:
     """Copy every parameter of `model` into `engine` (Engine, EngineProcess, BroadcastSender, or None
     on ranks that only take part in FSDP2 gathers).
@@ -500,7 +500,7 @@ def sync_weights(
     engine_order: pack buckets in the order the engine stores its weights, when it says (an Engine or
     EngineProcess): a bucket in the engine's dtype then loads as one copy.
     keep_buffers: keep the pack buffers (two for an EngineProcess, one for flatten=True) for the next
-    sync; `release_sync_buffers(engine)` frees them.
+    sync, at the cost of holding them in between; `release_sync_buffers(engine)` frees them.
     """
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")

@@ -7,18 +7,10 @@ it); a CPU tensor lives in shared memory and its file descriptor crosses the mul
 Lifetimes: the receiver must drop the tensors it opened before acknowledging; the sender keeps its
 tensors alive until then, and afterwards calls `release()` so torch frees CUDA blocks whose
 receivers are done (`torch.cuda.ipc_collect`).
-
-Mappings: opening a CUDA handle maps the sender's allocation (cudaIpcOpenMemHandle), which costs far
-more than the copy of a bucket, and the mapping goes when the last tensor on it does. The receiver keeps
-the storages of the last KEEP_MAPPED CUDA handles it opened (no tensor of the call, only the mapping),
-so a sender that reuses its buffers (sync_weights' double buffers) is mapped once: torch finds the live
-storage by its handle and releases the new handle's reference count at once. A sender that frees a
-buffer gets its memory back once KEEP_MAPPED newer buffers have been opened (or the receiver exits).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,29 +32,7 @@ class TensorHandle:
     nbytes: int
 
     def open(self) -> torch.Tensor:
-        t = self.rebuild(*self.args)
-        if self.device_type == "cuda":
-            keep_mapped(t)
-        return t
-
-
-KEEP_MAPPED = 2  # double buffers
-_MAPPED: deque = deque(maxlen=KEEP_MAPPED)  # (storage data pointer, storage) of recent CUDA handles
-
-
-def keep_mapped(t: torch.Tensor) -> None:
-    """Keep `t`'s storage (the mapping, not the tensor) among the last KEEP_MAPPED opened."""
-    storage = t.untyped_storage()
-    ptr = storage.data_ptr()
-    for i, (p, _) in enumerate(_MAPPED):
-        if p == ptr:  # the same mapping again: make it the most recent
-            del _MAPPED[i]
-            break
-    _MAPPED.append((ptr, storage))
-
-
-def mapped_count() -> int:
-    return len(_MAPPED)
+        return self.rebuild(*self.args)
 
 
 def share(t: torch.Tensor) -> TensorHandle:

@@ -18,7 +18,7 @@ from weights_helpers import (
     state_list,
 )
 
-from integrations import sync_weights
+from integrations import sync_weights, weight_sync
 from integrations.weight_sync import in_order
 from rollout import Engine
 from rollout.weights.bucket import pack
@@ -158,7 +158,7 @@ def test_sync_weights_through_plans_keeps_buffers(checkpoints, family, flatten):
     engine = make_engine(checkpoints[family])
     for seed in (6, 7):
         trainer = perturbed(checkpoints[family], seed=seed)
-        stats = sync_weights(trainer, engine, bucket_bytes=40_000, flatten=flatten)
+        stats = sync_weights(trainer, engine, bucket_bytes=40_000, flatten=flatten, keep_buffers=True)
         assert stats.buckets > 1
         assert_weights_equal(engine, trainer, all_names(trainer) + FUSED_NAMES)
     plans = engine.weights.plans
@@ -166,3 +166,6 @@ def test_sync_weights_through_plans_keeps_buffers(checkpoints, family, flatten):
     if flatten:
         runs = [p.runs for p in plans._plans.values()]
         assert all(r is not None and len(r) == 1 for r in runs)  # storage order: one copy a bucket
+        assert weight_sync._KEPT[engine] != [None]  # the flattened pack buffer is kept for the next sync
+    weight_sync.release_sync_buffers(engine)
+    assert engine not in weight_sync._KEPT
