@@ -35,8 +35,9 @@ class EngineConfig:
     max_loras: int = 0  # LoRA adapter slots (0: LoRA off, the forward pays nothing); see docs/lora.md
     max_lora_rank: int = 64  # the largest adapter rank a slot holds
     # launch step k+1 before collecting step k, so the host prepares a step while the device runs the
-    # last one (tokens come back one step late; outputs are unchanged). See docs/architecture.md
-    overlap_schedule: bool = False
+    # last one (tokens come back one step late; outputs are unchanged). See docs/architecture.md.
+    # None: on for one CUDA device (where the host work hides behind the device's), off otherwise
+    overlap_schedule: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)):
@@ -59,8 +60,8 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
-        if not isinstance(self.overlap_schedule, bool):
-            raise TypeError(f"overlap_schedule must be a bool, got {self.overlap_schedule!r}")
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
+            raise TypeError(f"overlap_schedule must be a bool or None, got {self.overlap_schedule!r}")
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

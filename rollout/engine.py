@@ -190,6 +190,8 @@ class Engine:
         self._totals = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
         self._overlap = cfg.overlap_schedule
+        if self._overlap is None:  # tensor parallel with overlap has not run on GPUs yet: off there
+            self._overlap = self.device.type == "cuda" and tp.size == 1
         self._in_flight: _InFlight | None = None
         self._collected: list[RequestOutput] = []  # from a step collected outside `step`, not yet reported
         self._last_stats: dict[str, float] = {}
