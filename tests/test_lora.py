@@ -248,12 +248,13 @@ def test_grpo_example_learns_with_lora(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_CACHE", str(tmp_path))  # the built-in tiny model, made here
     grpo = load_example("grpo")
     cfg = grpo.Config(
-        steps=15, batch=8, n=8, minibatches=1, lr=2e-2, lora_rank=8, device="cpu", progress=False
+        steps=15, batch=8, n=8, minibatches=1, lr=1e-2, lora_rank=8, device="cpu", progress=False
     )
     history = grpo.train(cfg)
     first = sum(h["reward/mean"] for h in history[:3]) / 3
     last = sum(h["reward/mean"] for h in history[-3:]) / 3
-    # about 0.02 at first (random weights); seed 0 ends near 0.5
+    # about 0.02 at first (random weights). lr 2e-2 collapsed to one answer per prompt on some CPUs
+    # (seed 0 fell from 0.4 to 0.12); at 1e-2 seeds 0-2 rose by 0.25-0.53 here
     assert last > first + 0.15, [round(h["reward/mean"], 3) for h in history]
     assert max(h["logprob_gap/max"] for h in history) < 1e-4  # the engine's adapter equals the trainer's
     assert all(h["sync/gb"] < 1e-3 for h in history)  # only the adapter crosses
