@@ -12,6 +12,7 @@ ENGINE_METHODS = (
     "abort_request",
     "retract_requests",
     "has_unfinished",
+    "token_deltas",
     "generate",
     "chat",
     "score",

@@ -222,7 +222,7 @@ class AsyncEngine(AsyncFront):
         except Exception as e:
             log.exception("step failed")
             self._stalled = True  # e.g. memory released under retracted requests: wait for a resume
-            for rid in [r for r in self._channels if r not in self.engine.scheduler.requests]:
+            for rid in [r for r in self._channels if not self.engine.has_unfinished(r)]:
                 self._channels.pop(rid).put(e)  # a failed step aborted these: their callers get the error
             return
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Channel, RequestOutput]]] = {}

@@ -22,7 +22,16 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 # the request-level methods the fronts implement themselves; every other Engine method is forwarded
 REQUEST_METHODS = frozenset(
-    {"add_request", "step", "abort_request", "retract_requests", "has_unfinished", "generate", "shutdown"}
+    {
+        "add_request",
+        "step",
+        "abort_request",
+        "retract_requests",
+        "has_unfinished",
+        "token_deltas",
+        "generate",
+        "shutdown",
+    }
 )
 
 

@@ -35,12 +35,12 @@ from rollout import ipc
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
 from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode
 from rollout.engine import Engine, _load_tokenizer
-from rollout.outputs import RequestOutput
+from rollout.outputs import RequestOutput, TokenDelta
 from rollout.process import _stop_child, encode_args, reap, serve_child
 from rollout.requests import normalize_prompts
 from rollout.sampling import SamplingParams
 from rollout.stream_deltas import StreamedText
-from rollout.wire import CLOSE, GET, Call, Reply, TokenDelta, Update, unwrap
+from rollout.wire import CLOSE, GET, Call, Reply, Update, unwrap
 
 log = logging.getLogger("rollout")
 

@@ -6,9 +6,9 @@ Every public method takes one lock, so calls from several threads are serialised
 
 With `overlap_schedule`, `step` launches the next step before collecting the one in flight, so the
 host prepares step k+1 while the device runs step k, and step k's tokens are reported one call late.
-Every public method other than add_request / step / has_unfinished first collects the step in flight
-(`_collect_in_flight`): weights, memory, adapters and aborts never change under a queued step. See
-docs/architecture.md, "The step pipeline".
+Every public method other than add_request / step / has_unfinished / token_deltas first collects the
+step in flight (`_collect_in_flight`): weights, memory, adapters and aborts never change under a queued
+step. See docs/architecture.md, "The step pipeline".
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from rollout.lora import LoraManager
 from rollout.memory import TAGS, MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
-from rollout.outputs import RequestOutput
+from rollout.outputs import RequestOutput, TokenDelta
 from rollout.requests import check_lengths, check_params, check_prompts, normalize_params, normalize_prompts
-from rollout.results import request_output
+from rollout.results import request_output, token_deltas
 from rollout.runner.model_runner import Launched, ModelRunner
 from rollout.sampling import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler
@@ -404,9 +404,24 @@ class Engine:
         return self.scheduler.retract_all()
 
     @serialised(keeps_step_in_flight=True)
-    def has_unfinished(self) -> bool:
-        """Whether requests are in flight (queued or running)."""
-        return bool(self.scheduler.requests)
+    def has_unfinished(self, request_id: Hashable | None = None) -> bool:
+        """Whether requests are in flight (queued or running); with `request_id`, whether that one is."""
+        if request_id is None:
+            return bool(self.scheduler.requests)
+        return request_id in self.scheduler.requests
+
+    @serialised(keeps_step_in_flight=True)
+    def token_deltas(self, sent: Mapping[Hashable, list[int]]) -> list[TokenDelta]:
+        """For each request of `sent` still in flight, the tokens (logprobs, weight versions) its samples
+        gained past `sent[request_id][sample]` output tokens, without text. A caller that streams at its
+        own pace (the engine worker, between sends) reads this instead of step's streamed deltas, which
+        are built, text included, on every step."""
+        requests, deltas = self.scheduler.requests, []
+        for rid, counts in sent.items():
+            req = requests.get(rid)
+            if req is not None:
+                deltas += token_deltas(req, counts)
+        return deltas
 
     @serialised
     def generate(

@@ -1,27 +1,28 @@
 """The engine worker: ProcessAsyncEngine's child process, owning the Engine and its step loop.
 
 Each turn of the loop runs the commands the parent sent since the last turn (request adds, aborts,
-pauses, RL methods), runs one `Engine.step`, and sends back ONE `wire.Update`: the answers, the whole
-outputs of the requests that ended, and the new token ids / logprobs / weight versions of every streamed
-request that progressed. The HTTP work, the tokenizer's text work for streams and the JSON stay in the
-parent, so this process holds its interpreter lock for the step loop alone and the device never waits
-for a client.
+pauses, RL methods) and one `Engine.step`. What the turns produce (the answers, the whole outputs of
+the requests that ended, the new token ids / logprobs / weight versions of every streamed request)
+goes back as one `wire.Update` at a time, sent by a thread of its own: a step never waits for the
+pipe. While one update is on its way the turns' results gather into the next, so a parent that falls
+behind (many clients' SSE and JSON) gets fewer, larger updates instead of slowing the device. The HTTP
+work, the text work for streams and the JSON stay in the parent.
 
 Requests are added with stream=False, so `step` builds outputs only for the requests that end (the work
-`Engine.generate` does too); the new tokens of streamed requests are read from their sequences instead
-of from step's per-request deltas, which copy the prompt and decode text on every token.
+`Engine.generate` does too); the tokens of streamed requests are read with `Engine.token_deltas` when
+an update is handed to the sender, not on every step.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 from collections.abc import Hashable
 from typing import Any
 
 from rollout.process import handle_call
-from rollout.sequence import Request
-from rollout.wire import CLOSE, Call, Reply, TokenDelta, Update, error_reply
+from rollout.wire import CLOSE, Call, Reply, Update, error_reply
 
 log = logging.getLogger("rollout")
 
@@ -44,11 +45,20 @@ class _Worker:
         self.live: dict[Hashable, list[int] | None] = {}
         self.paused: str | None = None
         self.stalled = False  # the last step raised with requests left in flight: wait for a command
-        self.update = Update()
+        self.update = Update()  # what the turns since the last hand-over produced
+        self.sender = _Sender(conn)
 
     def loop(self) -> None:
+        try:
+            self._turns()
+        finally:
+            self.sender.close()  # what was handed over still goes, before the engine shuts down
+
+    def _turns(self) -> None:
         while True:
             idle = self.paused is not None or self.stalled or not self.engine.has_unfinished()
+            if idle and not self._hand_over(wait=True):  # nothing may wait in the worker while it sleeps
+                return
             calls = self._receive(block=idle)
             if calls is None:
                 return  # the parent went away
@@ -56,11 +66,11 @@ class _Worker:
                 self.stalled = False
             if not self._run_all(calls):
                 self._abort_all()  # closing: callers get the outputs they have
-                self._send()
+                self._hand_over(wait=True)
                 return
             if self.paused is None and not self.stalled and self.engine.has_unfinished():
                 self._step()
-            if not self._send():
+            if not self._hand_over(wait=False):
                 return
 
     # -- commands ---------------------------------------------------------------------------------
@@ -130,56 +140,83 @@ class _Worker:
         except Exception as e:
             log.exception("step failed")
             self.stalled = True  # e.g. memory released under retracted requests: wait for a resume
-            in_flight = self.engine.scheduler.requests
-            failed = [rid for rid in self.live if rid not in in_flight]  # a failed step aborted these
+            # the requests the failed step aborted; their callers get its error
+            failed = [rid for rid in self.live if not self.engine.has_unfinished(rid)]
             for rid in failed:
                 del self.live[rid]
-            self.update.failed, self.update.error = failed, error_reply(0, e)
+            self.update.failed += failed
+            self.update.error = error_reply(0, e)
             return
         for out in outs:
             self.live.pop(out.request_id, None)
         self.update.finished += outs
-        self._collect_tokens()
 
-    def _collect_tokens(self) -> None:
-        """The tokens each streamed request in flight gained since the last update."""
-        requests = self.engine.scheduler.requests
-        for rid, sent in self.live.items():
-            if sent is not None:
-                req = requests.get(rid)
-                if req is not None:
-                    _deltas(req, sent, self.update.tokens)
-
-    def _send(self) -> bool:
-        """Send the turn's update, if it holds anything; False when the parent has gone."""
-        update, self.update = self.update, Update()
-        if not update:
-            return True
-        try:
-            self.conn.send(update)
-        except (OSError, EOFError):
+    def _hand_over(self, wait: bool) -> bool:
+        """Give the gathered update to the sender, with the tokens streamed requests gained since the
+        last one, once the sender is free (now, or after the send in progress with `wait`); otherwise
+        keep gathering. False when the parent has gone."""
+        if self.sender.broken:
             return False
-        return True
+        if not self.sender.free(wait):
+            return True
+        streamed = {rid: sent for rid, sent in self.live.items() if sent is not None}
+        if streamed:
+            for d in self.engine.token_deltas(streamed):
+                streamed[d.request_id][d.sample] += len(d.token_ids)
+                self.update.tokens.append(d)
+        if self.update:
+            update, self.update = self.update, Update()
+            self.sender.put(update)
+        return not self.sender.broken
 
 
-def _deltas(req: Request, sent: list[int], into: list[TokenDelta]) -> None:
-    for seq in req.seqs:
-        # with overlap_schedule the last token may be a placeholder of the step in flight: not yet
-        start, end = sent[seq.sample], seq.num_output - seq.pending
-        if end <= start:
-            continue
-        sent[seq.sample] = end
-        p, at = seq.params, seq.num_prompt
-        into.append(
-            TokenDelta(
-                req.request_id,
-                seq.sample,
-                seq.token_ids[at + start : at + end],
-                seq.logprobs[start:end] if p.logprobs else None,
-                seq.top_logprobs[start:end] if p.top_logprobs else None,
-                seq.weight_versions[start:end],
-                seq.finish_reason,
-                seq.stop_reason,
-                seq.text if isinstance(seq.stop_reason, str) else None,
-            )
-        )
+class _Sender:
+    """Sends one update at a time from a thread of its own (pickling holds this process's interpreter
+    lock, but the pipe's writes, which wait for the parent to read, do not)."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.broken = False  # a send failed: the parent has gone
+        self._ready = threading.Condition()
+        self._next: Update | None = None  # handed over, not yet taken by the thread
+        self._busy = False  # the thread is sending one
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="rollout-worker-send", daemon=True)
+        self._thread.start()
+
+    def free(self, wait: bool) -> bool:
+        """Whether nothing is in hand; with `wait`, after waiting for that."""
+        with self._ready:
+            if wait:
+                self._ready.wait_for(lambda: self.broken or (self._next is None and not self._busy))
+            return self._next is None and not self._busy
+
+    def put(self, update: Update) -> None:
+        with self._ready:
+            assert self._next is None, "the sender has an update in hand"
+            self._next = update
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Send what is in hand, then stop the thread."""
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._next is not None or self._closing)
+                if self._next is None:
+                    return  # closing, nothing left
+                update, self._next, self._busy = self._next, None, True
+            try:
+                self.conn.send(update)
+            except (OSError, EOFError, ValueError):
+                self.broken = True
+            with self._ready:
+                self._busy = False
+                self._ready.notify_all()
+            if self.broken:
+                return

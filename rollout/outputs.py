@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -40,3 +40,19 @@ class RequestOutput:
     # when it is > 0, the top ones of each position
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
+
+
+class TokenDelta(NamedTuple):
+    """The tokens one sample of a request gained since some point (`Engine.token_deltas`), with no text:
+    the caller decodes them. A tuple, not a dataclass: hundreds cross a process pipe per step, and
+    tuples pickle smaller and faster."""
+
+    request_id: Hashable
+    sample: int
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    weight_versions: list[int]
+    finish_reason: str | None  # set when this sample ended while others of its request go on
+    stop_reason: str | int | None
+    stop_text: str | None  # the text a stop string cut, when one did (the parent cannot know it)

@@ -1,11 +1,12 @@
-"""Requests to RequestOutputs: whole outputs when a request finishes, deltas for streamed requests."""
+"""Requests to RequestOutputs: whole outputs when a request finishes, deltas for streamed requests; and
+TokenDeltas, the text-free deltas a caller reads at its own pace."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rollout.detok import IncrementalText
-from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
 from rollout.sequence import Request, Sequence
 
 
@@ -81,3 +82,28 @@ def _final_text(seq: Sequence, tokenizer: Any) -> str:
     if tokenizer is None:
         return ""
     return tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+
+def token_deltas(req: Request, sent: list[int]) -> list[TokenDelta]:
+    """The tokens each sample of `req` gained past `sent[sample]` output tokens, with no text."""
+    deltas = []
+    for seq in req.seqs:
+        # with overlap_schedule the last token may be a placeholder of the step in flight: not yet
+        start, end = sent[seq.sample], seq.num_output - seq.pending
+        if end <= start:
+            continue
+        p, at = seq.params, seq.num_prompt
+        deltas.append(
+            TokenDelta(
+                req.request_id,
+                seq.sample,
+                seq.token_ids[at + start : at + end],
+                seq.logprobs[start:end] if p.logprobs else None,
+                seq.top_logprobs[start:end] if p.top_logprobs else None,
+                seq.weight_versions[start:end],
+                seq.finish_reason,
+                seq.stop_reason,
+                seq.text if isinstance(seq.stop_reason, str) else None,
+            )
+        )
+    return deltas

@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollout.detok import IncrementalText
-from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.wire import TokenDelta
+from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
 
 
 def join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:

@@ -7,9 +7,9 @@ import pickle
 import traceback
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-from rollout.outputs import RequestOutput
+from rollout.outputs import RequestOutput, TokenDelta
 
 CLOSE = "__close__"  # stop serving
 GET = "__getattr__"  # read a property
@@ -54,21 +54,6 @@ def error_reply(call_id: int, e: BaseException) -> Reply:
         err = RuntimeError(f"{type(e).__name__}: {e}")
     err.__traceback__ = None
     return Reply(call_id, False, err, tb)
-
-
-class TokenDelta(NamedTuple):
-    """The tokens one sample of a streamed request gained in one step; no text (the parent decodes).
-    A tuple, not a dataclass: hundreds cross per step and tuples pickle smaller and faster."""
-
-    request_id: Hashable
-    sample: int
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[dict[int, float]] | None
-    weight_versions: list[int]
-    finish_reason: str | None  # set when this sample ended while others of its request go on
-    stop_reason: str | int | None
-    stop_text: str | None  # the text a stop string cut, when one did (the parent cannot know it)
 
 
 @dataclass

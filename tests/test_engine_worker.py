@@ -1,0 +1,52 @@
+"""The engine worker (ProcessAsyncEngine's child loop), run in a thread over a real pipe: a parent that
+stops reading must not stop the steps, and what it reads later still adds up to each request's output."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+from rollout import Engine, SamplingParams
+from rollout import engine_worker as W
+from rollout.wire import CLOSE, Call
+
+REQUESTS, TOKENS = 24, 80
+# 20 top logprobs per token make each step's deltas large (about 7 kB): the updates overflow the pipe's
+# socket buffer (about 200 kB) long before the end
+PARAMS = SamplingParams(
+    temperature=0.0, max_new_tokens=TOKENS, ignore_eos=True, logprobs=True, top_logprobs=20
+)
+
+
+def test_a_parent_that_stops_reading_does_not_stop_the_steps(qwen3_dir):
+    engine = Engine(qwen3_dir, device="cpu", max_total_tokens=8192, page_size=4)
+    parent, child = mp.Pipe()
+    worker = threading.Thread(target=W._Worker(child, engine).loop, daemon=True)
+    worker.start()
+    vocab = engine.model_config.vocab_size
+    prompts = [[(7 * i + j) % (vocab - 1) + 1 for j in range(6 + i % 5)] for i in range(REQUESTS)]
+    parent.send([Call(i + 1, W.ADD, (f"r{i}", p, PARAMS, True), {}) for i, p in enumerate(prompts)])
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished() or not engine.stats.steps:  # the parent reads nothing meanwhile
+        assert time.monotonic() < deadline, "the steps waited for the parent to read"
+        time.sleep(0.05)
+    streamed: dict[tuple[str, int], list[int]] = {}
+    finals, updates = {}, 0
+    while len(finals) < REQUESTS:
+        update = parent.recv()
+        updates += 1
+        assert all(r.ok for r in update.replies), [r.value for r in update.replies if not r.ok]
+        for d in update.tokens:
+            streamed.setdefault((d.request_id, d.sample), []).extend(d.token_ids)
+        finals |= {out.request_id: out for out in update.finished}
+    parent.send([Call(0, CLOSE, (), {})])
+    worker.join(30)
+    assert not worker.is_alive()
+    # fewer updates than steps: while one was on its way, the next gathered the steps behind it
+    assert updates < engine.stats.steps
+    for rid, out in finals.items():
+        whole = out.outputs[0].token_ids
+        assert len(whole) == TOKENS
+        assert whole[: len(streamed.get((rid, 0), []))] == streamed.get((rid, 0), [])
+    engine.shutdown()
