@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,22 @@ class OneActor:
 
     def generate(self, *args, **kwargs):
         return ray.get(self.actor.generate.remote(*args, **kwargs))
+
+
+def kill_and_wait(actor, timeout: float = 60.0) -> None:
+    """ray.kill, then wait until the actor answers as dead: the kill is asynchronous, and a call made
+    at once may still be served (CI saw a ping succeed right after it)."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"the actor still answers {timeout:.0f} s after ray.kill")
 
 
 def completions(outs):
@@ -141,7 +158,7 @@ def test_killed_actor_is_named_and_the_others_serve(cluster, checkpoints):
         g.sync_weights(perturbed(checkpoints["qwen2"], seed=0))  # a group with both members
         trainer = perturbed(checkpoints["qwen2"], seed=43)
         local.update_weights_from_tensor([(n, p.detach()) for n, p in trainer.named_parameters()])
-        ray.kill(g.actors[1], no_restart=True)
+        kill_and_wait(g.actors[1])
         with pytest.raises(RuntimeError, match=r"(?s)rollout actor 1 of 2 died: .*EngineActor"):
             g.generate(input_ids=PROMPTS, sampling_params=params)
         assert g.alive == [0] and g.remove_dead() == []
@@ -149,7 +166,7 @@ def test_killed_actor_is_named_and_the_others_serve(cluster, checkpoints):
         assert_weights_equal(OneActor(g.actors[0]), trainer)
         outs = g.generate(input_ids=PROMPTS, sampling_params=params)
         assert_same_outputs(outs, local.generate(input_ids=PROMPTS, sampling_params=params))
-        ray.kill(g.actors[0], no_restart=True)
+        kill_and_wait(g.actors[0])
         assert g.remove_dead() == [0]
         with pytest.raises(RuntimeError, match="all 2 rollout actors died"):
             g.generate(input_ids=PROMPTS)
