@@ -70,28 +70,30 @@ def measure(engine: Engine, tag: str, keep: bool, repeats: int, host_weights) ->
     return {k: statistics.median(c) for k, c in zip(keys, cols)}
 
 
-def raw_primitive(nbytes: int, repeats: int) -> tuple[float, float]:
+def raw_primitive(nbytes: int, repeats: int, parked: list) -> tuple[float, float]:
     """Median ms of torch_memory_saver's own pause and resume (until idle) of one region of `nbytes`,
-    in this process and mode: the floor of the engine's release/resume of the same bytes."""
+    in this process and mode: the floor of the engine's release/resume of the same bytes. The block is
+    left paused in `parked`: freeing it would return it to torch_memory_saver's pool, not to the device,
+    and the engine's resume needs those bytes."""
     import torch_memory_saver
 
     tms = torch_memory_saver.torch_memory_saver
-    with tms.region(tag="bench_raw"):
+    tag = f"bench_raw_{len(parked)}"  # its own tag: a paused earlier block must stay paused
+    with tms.region(tag=tag):
         block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pauses, resumes = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tms.pause("bench_raw")
+        tms.pause(tag)
         t1 = time.perf_counter()
-        tms.resume("bench_raw")
+        tms.resume(tag)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         pauses.append((t1 - t0) * 1e3)
         resumes.append((t2 - t1) * 1e3)
-    with tms.region(tag="bench_raw"):  # freed inside a region, as torch_memory_saver requires
-        del block
-    torch.cuda.empty_cache()
+    tms.pause(tag)  # the device memory goes back; the paused tensor is kept, never touched again
+    parked.append(block)
     return statistics.median(pauses), statistics.median(resumes)
 
 
@@ -146,14 +148,14 @@ def main() -> None:
     out = [o.outputs[0].token_ids for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
     # the raw primitive on the same bytes, each while the engine's own copy is released (room for it)
-    raw = {}
+    raw, parked = {}, []
     for tag, nbytes in (
         ("kv_cache", engine.kv.nbytes),
         ("weights (no backup)", engine.model.weight_storage.numel()),
     ):
         engine_tag = tag.split()[0]
         engine.release_memory_occupation(tags=[engine_tag])
-        raw[tag] = raw_primitive(nbytes, args.repeats)
+        raw[tag] = raw_primitive(nbytes, args.repeats, parked)
         engine.resume_memory_occupation(tags=[engine_tag])
         if engine_tag == "weights":
             resend_weights(engine, host_weights)

@@ -131,7 +131,7 @@ def run_clients_elsewhere(url: str, prompts: list, outs: list, clients: int, end
     proc = ctx.Process(target=clients_process, args=(url, prompts, outs, clients, endpoint, result))
     proc.start()
     try:
-        return result.get(timeout=1800)
+        return wait_result(proc, result, 1800)
     finally:
         proc.join(10)
 
@@ -169,9 +169,28 @@ def in_own_process(phase, *args) -> dict:
     proc = ctx.Process(target=phase, args=(*args, result))
     proc.start()
     try:
-        return result.get(timeout=3600)
+        return wait_result(proc, result, 3600)
     finally:
         proc.join(60)
+
+
+def wait_result(proc, result, timeout: float):
+    """The one value `proc` puts on `result`; a process that dies without one fails the run at once
+    instead of leaving it waiting for the whole timeout."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return result.get(timeout=1)
+        except queue.Empty:
+            if not proc.is_alive():
+                try:  # it may have put its value just before exiting
+                    return result.get(timeout=1)
+                except queue.Empty:
+                    code = proc.exitcode
+                    raise RuntimeError(f"{proc.name} exited with code {code} and no result") from None
+    raise TimeoutError(f"{proc.name} gave no result in {timeout:.0f} s")
 
 
 def main() -> None:
