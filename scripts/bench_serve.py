@@ -78,8 +78,10 @@ def serve(front: object) -> tuple[str, object]:
 
 
 async def run_clients(
-    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str
-) -> float:
+    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, start=None
+) -> tuple[int, float, float]:
+    """Stream every request, `clients` at a time; (tokens received, start, end) on the monotonic clock,
+    the start after a warm-up request and, with `start` (a barrier), once every client process is ready."""
     import httpx
 
     gate = asyncio.Semaphore(clients)
@@ -109,31 +111,44 @@ async def run_clients(
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
         await one(ac, prompts[0], 8)  # warm-up
-        t0 = time.perf_counter()
+        if start is not None:
+            start.wait()
+        t0 = time.monotonic()
         counts = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
-        seconds = time.perf_counter() - t0
+        t1 = time.monotonic()
     if counts != outs:
         raise RuntimeError("a streamed request came back short")
-    return sum(counts) / seconds
+    return sum(counts), t0, t1
 
 
-def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, result) -> None:
-    """The clients in a process of their own, as real clients are: they share no interpreter lock with
-    the server."""
-    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint)))
+def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, start, result) -> None:
+    """Clients in a process of their own, as real clients are: they share no interpreter lock with the
+    server (nor, with --client-procs > 1, with each other)."""
+    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, start)))
 
 
-def run_clients_elsewhere(url: str, prompts: list, outs: list, clients: int, endpoint: str) -> float:
+def run_clients_elsewhere(
+    url: str, prompts: list, outs: list, clients: int, endpoint: str, procs: int = 1
+) -> float:
+    """Output tok/s of the requests streamed by `procs` client processes (request i in process i mod
+    procs, `clients` concurrent streams in all), from the first start to the last end."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    proc = ctx.Process(target=clients_process, args=(url, prompts, outs, clients, endpoint, result))
-    proc.start()
+    start, result = ctx.Barrier(procs), ctx.Queue()
+    workers = []
+    for i in range(procs):
+        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, start, result)
+        workers.append(ctx.Process(target=clients_process, args=(url, *share)))
+    for w in workers:
+        w.start()
     try:
-        return wait_result(proc, result, 1800)
+        found = wait_results(workers, result, 1800)
     finally:
-        proc.join(10)
+        for w in workers:
+            w.join(10)
+    tokens = sum(f[0] for f in found)
+    return tokens / (max(f[2] for f in found) - min(f[1] for f in found))
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -147,7 +162,9 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
         url, server = serve(AsyncEngine.from_engine(engine))
-        found["thread_stream_tok_s"] = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
+        found["thread_stream_tok_s"] = run_clients_elsewhere(
+            url, prompts, outs, args.clients, args.endpoint, args.client_procs
+        )
         server.should_exit = True
     result.put(found)
 
@@ -156,7 +173,7 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
     """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
     front = ProcessAsyncEngine(folder, **engine_options(args))
     url, server = serve(front)
-    served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint)
+    served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
     server.should_exit = True  # its lifespan shuts the engine process down
     result.put({"process_stream_tok_s": served})
 
@@ -175,22 +192,33 @@ def in_own_process(phase, *args) -> dict:
 
 
 def wait_result(proc, result, timeout: float):
-    """The one value `proc` puts on `result`; a process that dies without one fails the run at once
-    instead of leaving it waiting for the whole timeout."""
+    """The one value `proc` puts on `result`."""
+    return wait_results([proc], result, timeout)[0]
+
+
+def wait_results(procs: list, result, timeout: float) -> list:
+    """One value from each of `procs` off `result`, in any order. A process that fails (or all ending
+    with values missing) fails the run at once instead of leaving it waiting for the whole timeout."""
     import queue
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    found, deadline = [], time.monotonic() + timeout
+    while len(found) < len(procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(procs) - len(found)} of {len(procs)} processes gave no result")
         try:
-            return result.get(timeout=1)
+            found.append(result.get(timeout=1))
+            continue
         except queue.Empty:
-            if not proc.is_alive():
-                try:  # it may have put its value just before exiting
-                    return result.get(timeout=1)
-                except queue.Empty:
-                    code = proc.exitcode
-                    raise RuntimeError(f"{proc.name} exited with code {code} and no result") from None
-    raise TimeoutError(f"{proc.name} gave no result in {timeout:.0f} s")
+            pass
+        failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+        if failed or not any(p.is_alive() for p in procs):
+            try:  # a value put just before the exit
+                found.append(result.get(timeout=1))
+                continue
+            except queue.Empty:
+                codes = ", ".join(f"{p.name}: {p.exitcode}" for p in procs)
+                raise RuntimeError(f"processes exited with results missing (exit codes {codes})") from None
+    return found
 
 
 def main() -> None:
@@ -207,6 +235,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cuda-graph", type=int, default=1)
     ap.add_argument("--endpoint", choices=["completions", "generate"], default="completions")
+    ap.add_argument(
+        "--client-procs", type=int, default=1, help="client processes sharing the --clients streams"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.model == "tiny":
@@ -223,6 +254,7 @@ def main() -> None:
         "device": args.device,
         "requests": args.requests,
         "clients": args.clients,
+        "client_procs": args.client_procs,
         "endpoint": args.endpoint,
     }
     result |= in_own_process(thread_phase, folder, args, prompts, outs)
