@@ -176,12 +176,12 @@ def test_killed_actor_is_named_and_the_others_serve(cluster, checkpoints):
 def test_ray_grpo_example_learns(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_CACHE", str(tmp_path))  # the built-in tiny model, made here
     ex = load_example("ray_grpo")
-    cfg = ex.Config(steps=20, batch=8, n=8, minibatches=1, seed=0, progress=False)
+    cfg = ex.Config(steps=30, batch=8, n=8, minibatches=1, seed=0, progress=False)
     history = ex.train(cfg)
     assert [h["step"] for h in history] == list(range(cfg.steps))
     first = sum(h["reward/mean"] for h in history[:3]) / 3
-    last = sum(h["reward/mean"] for h in history[-3:]) / 3
-    # seeds 0-3: the first three steps average 0.01-0.06, the last three 0.43-0.56
+    last = sum(h["reward/mean"] for h in history[-5:]) / 5  # one step's reward swings by up to 0.6
+    # seeds 0-4 on a 2-core CPU: the first three steps average 0.01-0.06, the last five 0.48-0.77
     assert last > first + 0.3, [round(h["reward/mean"], 3) for h in history]
     assert max(h["logprob_gap/max"] for h in history) < 1e-4  # float32 engines and trainer
     assert all(h["sync/gb"] > 0 and "time/sync" in h for h in history)
