@@ -271,6 +271,7 @@ class Row:
     engine_max: float
     half_mean: float | None  # transformers in the engine's dtype vs float32 (None in float32)
     half_max: float | None
+    worst: str = ""  # per prompt: where its largest gap is (printed when the row fails)
 
     @property
     def ratio(self) -> float | None:
@@ -299,13 +300,23 @@ def check(
     half = _hf_scores(path, getattr(torch, dtype), device, runs) if dtype != "float32" else None
     rows = []
     for backend, rs in runs.items():
-        gap = np.concatenate([np.abs(r.logprobs - ref[tuple(r.tokens)]) for r in rs])
+        gaps = [np.abs(r.logprobs - ref[tuple(r.tokens)]) for r in rs]
+        gap = np.concatenate(gaps)
         row = Row(backend, gap.size, float(gap.mean()), float(gap.max()), None, None)
+        row.worst = "; ".join(_worst(p, g) for p, g in zip(prompts, gaps))
         if half is not None:  # the yardstick, over the same tokens
             hgap = np.concatenate([np.abs(half[k] - ref[k]) for k in _keys(rs)])
             row.half_mean, row.half_max = float(hgap.mean()), float(hgap.max())
         rows.append(row)
     return rows
+
+
+def _worst(prompt: list[int], gap: np.ndarray) -> str:
+    """One prompt's gaps in a few words: a failure says where to look (prompt or generated part,
+    early or late positions)."""
+    at = int(gap.argmax())
+    part = "prompt" if at < len(prompt) - 1 else "generated"
+    return f"{len(prompt)} tokens: mean {gap.mean():.2e}, max {gap[at]:.2e} at token {at + 1} ({part})"
 
 
 def _keys(runs: list[Run]) -> list[tuple[int, ...]]:
@@ -335,6 +346,8 @@ def table(rows: list[Row], dtype: str) -> str:
         if half:
             line += f"  {r.half_mean:>24.3e} {r.half_max:>9.2e}  {r.ratio:>6.2f}"
         lines.append(line + ("  ok" if r.passed else "  FAIL"))
+        if not r.passed and r.worst:
+            lines.append(f"  {r.backend}: {r.worst}")
     rule = f"mean-gap ratio <= {HALF_RATIO}" if half else f"max gap <= {FP32_GAP:g}"
     lines.append(f"(abs logprob gaps over prompt + generated tokens; pass: {rule})")
     return "\n".join(lines)

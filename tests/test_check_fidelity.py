@@ -51,7 +51,10 @@ def perturb_engine(monkeypatch, scale: float) -> None:
 def test_catches_one_changed_weight(tiny, monkeypatch, capsys):
     perturb_engine(monkeypatch, 0.05)
     assert cf.main(["--model", str(tiny), "--lengths", "7", "300", "--new-tokens", "4"]) == 1
-    assert capsys.readouterr().out.rstrip().splitlines()[-2].endswith("FAIL")
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-3].endswith("FAIL")
+    # where the gaps are, per prompt: a changed weight of layer 0 shows at every position
+    assert lines[-2].startswith("  torch: 7 tokens: mean ") and "; 300 tokens: mean " in lines[-2]
 
 
 def test_catches_a_folder_changed_after_the_engine_loaded(tiny, tmp_path, monkeypatch, capsys):
