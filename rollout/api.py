@@ -5,8 +5,9 @@
 to `Engine` goes here, or the parity test fails.
 """
 
-ENGINE_METHODS = (
-    # requests
+# the step loop's own methods: the async fronts run the loop, so they implement these (or keep them to
+# the loop) instead of forwarding them
+STEP_LOOP_METHODS = (
     "add_request",
     "step",
     "abort_request",
@@ -14,6 +15,11 @@ ENGINE_METHODS = (
     "has_unfinished",
     "token_deltas",
     "generate",
+)
+
+ENGINE_METHODS = (
+    # requests
+    *STEP_LOOP_METHODS,
     "chat",
     "score",
     # memory

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Hashable
 from typing import Any, Literal
 
+from rollout.api import STEP_LOOP_METHODS
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
 from rollout.stream_deltas import merge
@@ -21,18 +22,7 @@ from rollout.stream_deltas import merge
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 # the request-level methods the fronts implement themselves; every other Engine method is forwarded
-REQUEST_METHODS = frozenset(
-    {
-        "add_request",
-        "step",
-        "abort_request",
-        "retract_requests",
-        "has_unfinished",
-        "token_deltas",
-        "generate",
-        "shutdown",
-    }
-)
+REQUEST_METHODS = frozenset({*STEP_LOOP_METHODS, "shutdown"})
 
 
 class QueueFullError(RuntimeError):
