@@ -420,6 +420,7 @@ class Engine:
         for rid, counts in sent.items():
             req = requests.get(rid)
             if req is not None:
+                _check_sent_counts(rid, counts, len(req.seqs))
                 deltas += token_deltas(req, counts)
         return deltas
 
@@ -862,3 +863,11 @@ def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
 def _tokenizer_eos(tokenizer: Any) -> tuple[int, ...]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return (eos,) if isinstance(eos, int) else ()
+
+
+def _check_sent_counts(rid: Hashable, counts: Any, samples: int) -> None:
+    """token_deltas' `sent[rid]`: one count of output tokens already sent per sample, each >= 0."""
+    if not isinstance(counts, list) or len(counts) != samples:
+        raise ValueError(f"sent[{rid!r}] must be a list of {samples} output-token counts, one per sample")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise ValueError(f"sent[{rid!r}] holds a count that is not an int >= 0: {counts}")

@@ -7,6 +7,8 @@ import multiprocessing as mp
 import threading
 import time
 
+import pytest
+
 from rollout import Engine, SamplingParams
 from rollout import engine_worker as W
 from rollout.wire import CLOSE, Call
@@ -49,4 +51,23 @@ def test_a_parent_that_stops_reading_does_not_stop_the_steps(qwen3_dir):
         whole = out.outputs[0].token_ids
         assert len(whole) == TOKENS
         assert whole[: len(streamed.get((rid, 0), []))] == streamed.get((rid, 0), [])
+    engine.shutdown()
+
+
+def test_token_deltas_refuses_bad_counts_and_the_engine_goes_on(qwen3_dir):
+    engine = Engine(qwen3_dir, device="cpu", max_total_tokens=1024, page_size=4)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True, n=2)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.step()
+    engine.step()  # both samples have tokens now
+    for bad in ([0], [0, -1], [0, 1.0], (0, 0)):
+        with pytest.raises(ValueError, match=r"sent\['a'\]"):
+            engine.token_deltas({"a": bad})
+    deltas = engine.token_deltas({"a": [0, 0], "gone": [0]})  # a request not in flight is skipped
+    assert sorted(d.sample for d in deltas) == [0, 1] and all(d.token_ids for d in deltas)
+    sent = [len(d.token_ids) for d in sorted(deltas, key=lambda d: d.sample)]
+    assert engine.token_deltas({"a": sent}) == []  # nothing past what was sent
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.has_unfinished("a")
     engine.shutdown()
