@@ -186,14 +186,9 @@ def in_own_process(phase, *args) -> dict:
     proc = ctx.Process(target=phase, args=(*args, result))
     proc.start()
     try:
-        return wait_result(proc, result, 3600)
+        return wait_results([proc], result, 3600)[0]
     finally:
         proc.join(60)
-
-
-def wait_result(proc, result, timeout: float):
-    """The one value `proc` puts on `result`."""
-    return wait_results([proc], result, timeout)[0]
 
 
 def wait_results(procs: list, result, timeout: float) -> list:
@@ -210,7 +205,7 @@ def wait_results(procs: list, result, timeout: float) -> list:
             continue
         except queue.Empty:
             pass
-        failed = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+        failed = any(not p.is_alive() and p.exitcode != 0 for p in procs)
         if failed or not any(p.is_alive() for p in procs):
             try:  # a value put just before the exit
                 found.append(result.get(timeout=1))
