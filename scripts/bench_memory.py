@@ -1,10 +1,11 @@
-"""Release/resume time per memory tag for a Qwen2.5-1.5B-shaped engine with a large KV pool.
+"""Release/resume time per memory tag for an engine with a large KV pool (default: the Qwen2.5-1.5B shape).
 
 Needs a CUDA GPU and torch_memory_saver. The checkpoint is random (speed does not depend on values) with
 the real shapes, built once with transformers' Qwen2Config in bf16.
 
     python scripts/bench_memory.py                      # mem_fraction 0.85, 5 repeats
     python scripts/bench_memory.py --mem-fraction 0.6 --repeats 10 --ckpt /tmp/qwen25-15b
+    python scripts/bench_memory.py --model qwen2.5-7b   # another scripts/models.py shape
 
 Prints a markdown table (medians over the repeats): the host time of each call, the time until the
 device is idle after resume (the KV pool is zeroed on resume, asynchronously), and the memory each
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import bench_model  # noqa: E402
+from models import SHAPES, bench_model  # noqa: E402
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.weights.loader import iter_checkpoint, load_tensors, safetensors_files  # noqa: E402
@@ -99,6 +100,7 @@ def raw_primitive(nbytes: int, repeats: int, parked: list) -> tuple[float, float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-1.5b", choices=sorted(SHAPES), help="the random shape")
     ap.add_argument("--ckpt", type=Path, default=None, help="where to build/reuse the random checkpoint")
     ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--repeats", type=int, default=5)
@@ -110,7 +112,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("bench_memory.py needs torch_memory_saver: pip install torch-memory-saver") from None
 
-    ckpt = bench_model("qwen2.5-1.5b", args.ckpt)
+    ckpt = bench_model(args.model, args.ckpt)
     host_weights = [(n, t.pin_memory()) for n, t in iter_checkpoint(safetensors_files(ckpt))]
     a = torch.randn(256, 256, device="cuda")
     (a @ a).sum().item()  # CUDA context and cuBLAS before the baseline
@@ -161,7 +163,7 @@ def main() -> None:
             resend_weights(engine, host_weights)
 
     name = torch.cuda.get_device_name()
-    print(f"\n### Memory release/resume: Qwen2.5-1.5B shape (bf16), {name}, torch {torch.__version__}")
+    print(f"\n### Memory release/resume: {args.model} shape (bf16), {name}, torch {torch.__version__}")
     kv_gib = engine.kv.nbytes / GiB
     print(f"KV pool {engine.pool_tokens} tokens ({kv_gib:.1f} GiB), medians of {args.repeats} cycles\n")
     print("| tag | release (ms) | resume call (ms) | resume until idle (ms) | freed (GiB) | restored (GiB) |")

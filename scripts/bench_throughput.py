@@ -10,7 +10,9 @@ request asked for count ("useful" tokens/s; all generated tokens are printed too
 Workload 2 (GRPO-shaped): 128 prompts of 256 tokens, n=8, 512 new tokens, temperature 1.0, logprobs.
 Tokens/s from a plain run, then the share of time in prefill, decode and sampling from a second run
 that synchronises the device around each phase (its total is printed too; the prefix cache is flushed
-between runs).
+between runs), and the ratio to the workload's decode floor: every decode step at the bandwidth floor
+(weights + the KV bytes its batch reads, over the copy bandwidth measured in this run), the sequences
+running in waves of at most --max-running. Prefill is left out of the floor, so the ratio errs high.
 
     python scripts/bench_throughput.py --model qwen2.5-0.5b --workload all --json out.json
 """
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import copy_bandwidth, kv_bytes, weight_bytes  # noqa: E402
 from models import SHAPES, bench_model  # noqa: E402
 
 import rollout.runner.model_runner as model_runner  # noqa: E402
@@ -183,7 +186,22 @@ def run_workload2(engine: Engine, vocab: int, seed: int, shape: list[int]) -> di
         result["timed_run_seconds"] = seconds
         result["share"] = {k: v / seconds for k, v in phases.items()}
         result["phase_seconds"] = phases
+    result["floor_s"] = decode_floor(engine, num * n, prompt_len, new)
+    result["x_floor"] = result["seconds"] / result["floor_s"]
     return result
+
+
+def decode_floor(engine: Engine, seqs: int, prompt_len: int, new: int) -> float:
+    """Seconds for `seqs` sequences to decode `new` tokens each at the bandwidth floor, in waves of at
+    most max_running_requests: step t of a wave of B reads the weights once and B x (prompt + t) tokens
+    of KV."""
+    bandwidth = copy_bandwidth(engine.device)
+    weights, per_token = weight_bytes(engine.model), kv_bytes(engine, 1, 1)
+    waves = [engine.config.max_running_requests] * (seqs // engine.config.max_running_requests)
+    if seqs % engine.config.max_running_requests:
+        waves.append(seqs % engine.config.max_running_requests)
+    kv_tokens = new * prompt_len + new * (new - 1) // 2  # sum over t < new of (prompt + t)
+    return sum(new * weights + b * kv_tokens * per_token for b in waves) / bandwidth
 
 
 def main() -> None:
@@ -278,7 +296,8 @@ def main() -> None:
         print(
             f"workload 2: {num} prompts of {plen} tokens x {n} samples x {new} tokens in "
             f"{w2['seconds']:.2f}s: {w2['tok_s']:.0f} output tok/s; time share "
-            f"({w2['timed_run_seconds']:.2f}s synchronised run): {share}"
+            f"({w2['timed_run_seconds']:.2f}s synchronised run): {share}; decode floor "
+            f"{w2['floor_s']:.2f}s, {w2['x_floor']:.2f}x it"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
