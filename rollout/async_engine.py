@@ -34,7 +34,7 @@ from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
 from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode, QueueFullError
 from rollout.engine import Engine
 from rollout.outputs import RequestOutput
-from rollout.stream_deltas import cut
+from rollout.stream_deltas import cut, merge
 
 __all__ = ["AsyncEngine", "PAUSE_MODES", "PauseMode", "QueueFullError"]
 
@@ -67,6 +67,9 @@ class _Channel:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
             pass
+
+    def join(self, items: list[RequestOutput]) -> RequestOutput:
+        return merge(items)
 
     def delta(self, out: RequestOutput) -> RequestOutput:
         """A streamed request's output as a delta: an abort reports the whole output, so cut off what
@@ -119,10 +122,10 @@ class AsyncEngine(AsyncFront):
     # -- requests ---------------------------------------------------------------------------------
     async def _open(
         self, rid: Hashable, prompt: str | None, input_ids: Any, params: Any, stream: bool
-    ) -> asyncio.Queue:
+    ) -> _Channel:
         ch = _Channel(asyncio.get_running_loop(), asyncio.Queue(), stream)
         await self._call(functools.partial(self._add, rid, ch, prompt, input_ids, params))
-        return ch.queue
+        return ch
 
     def _cancel(self, rid: Hashable) -> None:
         self._post(functools.partial(self._abort_now, rid))

@@ -1,8 +1,9 @@
 """The callers' side shared by AsyncEngine (the step loop in a thread) and ProcessAsyncEngine (the step
 loop in a child process): one prompt per call, the count of requests in flight, the queue limit.
 
-A subclass opens a request (`_open`: returns the asyncio.Queue its outputs, or an exception, arrive
-on) and aborts one whose caller went away (`_cancel`); `close` stops it.
+A subclass opens a request (`_open`: returns its Channel, the asyncio.Queue its outputs, or an
+exception, arrive on, and how queued items become one output) and aborts one whose caller went away
+(`_cancel`); `close` stops it.
 """
 
 from __future__ import annotations
@@ -12,17 +13,25 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator, Hashable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from rollout.api import STEP_LOOP_METHODS
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
-from rollout.stream_deltas import merge
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 # the request-level methods the fronts implement themselves; every other Engine method is forwarded
 REQUEST_METHODS = frozenset({*STEP_LOOP_METHODS, "shutdown"})
+
+
+class Channel(Protocol):
+    """One request's way to its caller: the queue the producer puts items on, and how the items that
+    queued up while the caller was busy become one RequestOutput (exceptions are raised first)."""
+
+    queue: asyncio.Queue
+
+    def join(self, items: list) -> RequestOutput: ...
 
 
 class QueueFullError(RuntimeError):
@@ -101,8 +110,8 @@ class AsyncFront(abc.ABC):
         self._reserve()
         added = finished = False
         try:
-            queue = await self._open(rid, prompt, input_ids, params, stream)
-            added = True
+            ch = await self._open(rid, prompt, input_ids, params, stream)
+            queue, added = ch.queue, True
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
@@ -110,7 +119,7 @@ class AsyncFront(abc.ABC):
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                out = merge(items)
+                out = ch.join(items)
                 finished = out.finished
                 yield out
         finally:
@@ -121,8 +130,8 @@ class AsyncFront(abc.ABC):
     @abc.abstractmethod
     async def _open(
         self, rid: Hashable, prompt: str | None, input_ids: Any, params: Any, stream: bool
-    ) -> asyncio.Queue:
-        """Add the request; returns the queue its outputs (or an exception) arrive on."""
+    ) -> Channel:
+        """Add the request; returns the channel its outputs (or an exception) arrive on."""
 
     @abc.abstractmethod
     def _cancel(self, rid: Hashable) -> None:

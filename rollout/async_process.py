@@ -39,7 +39,7 @@ from rollout.outputs import RequestOutput, TokenDelta
 from rollout.process import _stop_child, encode_args, reap, serve_child
 from rollout.requests import normalize_prompts
 from rollout.sampling import SamplingParams
-from rollout.stream_deltas import StreamedText
+from rollout.stream_deltas import StreamedText, merge
 from rollout.wire import CLOSE, GET, Call, Reply, Update, unwrap
 
 log = logging.getLogger("rollout")
@@ -51,12 +51,32 @@ CLOSE_TIMEOUT_S = 60.0  # how long close() waits for the child to shut its engin
 @dataclass(eq=False)
 class _Channel:
     """Where one request's outputs go: a queue on the caller's event loop (and, when streamed, the
-    state that turns token deltas into text)."""
+    state that turns token deltas into text).
+
+    The reader thread queues the worker's items as they are (lists of one step's TokenDeltas, the
+    final RequestOutput); the caller turns what queued up into one output (`join`). So the reader, which
+    every caller waits on, does no per-token work, and a caller that fell behind decodes and builds
+    one output for several steps."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     prompt: str | None  # the text, when given as text (the child only saw its tokens)
     text: StreamedText | None  # None: not streamed, only the whole final output comes
+
+    def join(self, items: list[list[TokenDelta] | RequestOutput]) -> RequestOutput:
+        outs: list[RequestOutput] = []
+        pending: list[TokenDelta] = []
+        for item in items:
+            if isinstance(item, RequestOutput):
+                if pending:
+                    outs.append(self.text.tokens(pending))
+                    pending = []
+                outs.append(self.final(item))
+            else:
+                pending += item
+        if pending:
+            outs.append(self.text.tokens(pending))
+        return merge(outs)
 
     def final(self, out: RequestOutput) -> RequestOutput:
         if self.text is not None:
@@ -120,7 +140,7 @@ class ProcessAsyncEngine(AsyncFront):
     # -- requests ---------------------------------------------------------------------------------
     async def _open(
         self, rid: Hashable, prompt: str | None, input_ids: Any, params: Any, stream: bool
-    ) -> asyncio.Queue:
+    ) -> _Channel:
         if prompt is not None:  # text is encoded here, as Engine.add_request would encode it
             input_ids = normalize_prompts(prompt, None, self.tokenizer)[0][0]
         text = None
@@ -140,7 +160,7 @@ class ProcessAsyncEngine(AsyncFront):
                 if self._channels.get(rid) is ch:
                     del self._channels[rid]
             raise
-        return ch.queue
+        return ch
 
     def _cancel(self, rid: Hashable) -> None:
         self._post(W.ABORT, rid)
@@ -227,11 +247,11 @@ class ProcessAsyncEngine(AsyncFront):
             for out in update.finished:
                 ch = self._channels.pop(out.request_id, None)
                 if ch is not None:
-                    items.append((ch, ch.final(out)))
+                    items.append((ch, out))
             for rid, deltas in _by_request(update.tokens).items():
                 ch = self._channels.get(rid)
                 if ch is not None and ch.text is not None:
-                    items.append((ch, ch.text.tokens(deltas)))
+                    items.append((ch, deltas))
             if update.failed:
                 error = _exception(update.error)
                 items += [(ch, error) for rid in update.failed if (ch := self._channels.pop(rid, None))]

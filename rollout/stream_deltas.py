@@ -73,8 +73,12 @@ class StreamedText:
     samples: dict[int, _Sample] = field(default_factory=dict)
 
     def tokens(self, deltas: list[TokenDelta]) -> RequestOutput:
-        """One step's token deltas of this request as one RequestOutput."""
-        outputs = [self._completion(d) for d in deltas]
+        """Token deltas of this request (one step's, or several steps' that queued up) as one
+        RequestOutput: one CompletionOutput per sample, its text decoded once for all its tokens."""
+        by_sample: dict[int, list[TokenDelta]] = {}
+        for d in deltas:
+            by_sample.setdefault(d.sample, []).append(d)
+        outputs = [self._completion(ds) for ds in by_sample.values()]
         return RequestOutput(
             self.prompt_token_ids, outputs, self.prompt, deltas[0].request_id, finished=False
         )
@@ -87,31 +91,45 @@ class StreamedText:
             outputs.append(c if s is None else cut(c, s.tokens, s.chars))
         return replace(out, outputs=outputs, prompt=self.prompt)
 
-    def _completion(self, d: TokenDelta) -> CompletionOutput:
-        s = self.samples.get(d.sample)
+    def _completion(self, ds: list[TokenDelta]) -> CompletionOutput:
+        """One sample's consecutive token deltas as one delta with its text. The text shown is cut
+        once, after all the tokens: text only grows, so this is what cutting after each delta and
+        joining the pieces gives."""
+        last = ds[-1]
+        s = self.samples.get(last.sample)
         if s is None:
             tok = self.tokenizer
-            s = self.samples[d.sample] = _Sample(
+            s = self.samples[last.sample] = _Sample(
                 None if tok is None else IncrementalText(tok, self.skip_special_tokens)
             )
+        ids = ds[0].token_ids if len(ds) == 1 else [t for d in ds for t in d.token_ids]
         text = ""
         if s.detok is not None:
-            for t in d.token_ids:
+            for t in ids:
                 s.detok.push(t)
-            shown = s.detok.text if d.stop_text is None else d.stop_text
-            if d.finish_reason is None:
+            shown = s.detok.text if last.stop_text is None else last.stop_text
+            if last.finish_reason is None:
                 shown = shown[: max(s.chars, len(shown) - self.holdback)]
             text, s.chars = shown[s.chars :], len(shown)
-        elif d.stop_text is not None:
-            text, s.chars = d.stop_text[s.chars :], len(d.stop_text)
-        s.tokens += len(d.token_ids)
+        elif last.stop_text is not None:
+            text, s.chars = last.stop_text[s.chars :], len(last.stop_text)
+        s.tokens += len(ids)
         return CompletionOutput(
-            index=d.sample,
-            token_ids=d.token_ids,
+            index=last.sample,
+            token_ids=ids,
             text=text,
-            logprobs=d.logprobs,
-            top_logprobs=d.top_logprobs,
-            finish_reason=d.finish_reason,
-            stop_reason=d.stop_reason,
-            weight_versions=d.weight_versions,
+            logprobs=_joined([d.logprobs for d in ds]),
+            top_logprobs=_joined([d.top_logprobs for d in ds]),
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            weight_versions=ds[0].weight_versions
+            if len(ds) == 1
+            else [v for d in ds for v in d.weight_versions],
         )
+
+
+def _joined(parts: list[list | None]) -> list | None:
+    """Per-token lists of consecutive deltas as one (None when not asked for)."""
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else [x for p in parts for x in (p or [])]

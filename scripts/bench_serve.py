@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import socket
@@ -74,6 +75,9 @@ def serve(front: object) -> tuple[str, object]:
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
+    # uvicorn's "auto" picks httptools and uvloop when installed (the serve extra): say which it took
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    print(f"uvicorn: {server.config.http_protocol_class.__name__}, event loop from {loop}", flush=True)
     return f"http://127.0.0.1:{port}", server
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 from rollout import AsyncEngine, ProcessAsyncEngine
-from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.stream_deltas import cut, merge
+from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
+from rollout.stream_deltas import StreamedText, cut, merge
 
 
 def _public(cls: type) -> dict[str, object]:
@@ -46,3 +46,48 @@ def test_cut_drops_what_was_streamed():
     rest = cut(whole, 2, 1)
     assert (rest.token_ids, rest.text, rest.logprobs, rest.weight_versions) == ([7], "yz", [0.5], [1])
     assert rest.finish_reason == "abort"
+
+
+def _steps(rid: str, stop_text: str) -> list[list[TokenDelta]]:
+    """Two samples over four steps; sample 1 ends on a stop string at its third token."""
+    steps = []
+    for k in range(4):
+        step = [TokenDelta(rid, 0, [40 + k, 50 + k], [-0.1, -0.2], None, [k, k], None, None, None)]
+        if k < 3:
+            end = k == 2
+            stop = ("stop", "xy", stop_text) if end else (None, None, None)
+            step.append(TokenDelta(rid, 1, [60 + k], [-0.3], None, [k], *stop))
+        steps.append(step)
+    return steps
+
+
+def _text(tokenizer, holdback: int) -> StreamedText:
+    return StreamedText([1, 2, 3], None, tokenizer, True, holdback)
+
+
+def test_deltas_that_queued_up_decode_as_one_equal_to_step_by_step():
+    from transformers import AutoTokenizer
+
+    from rollout.toy import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    # the text a stop string leaves: here what its tokens decode to (the text already shown is a
+    # prefix of it, as the engine's holdback ensures)
+    two, stop_text = tok.decode([60, 61]), tok.decode([60, 61, 62])
+    assert stop_text.startswith(two) and len(stop_text) > len(two)
+    for holdback in (0, 3):
+        steps = _steps("r", stop_text)
+        a, b = _text(tok, holdback), _text(tok, holdback)
+        one_by_one = merge([a.tokens(s) for s in steps])
+        queued = b.tokens([d for s in steps for d in s])
+        assert [c.index for c in queued.outputs] == [0, 1]
+        for x, y in zip(one_by_one.outputs, queued.outputs):
+            assert (x.token_ids, x.text, x.logprobs, x.weight_versions) == (
+                y.token_ids, y.text, y.logprobs, y.weight_versions
+            )  # fmt: skip
+            assert (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
+        assert queued.outputs[1].text == stop_text and queued.outputs[1].token_ids == [60, 61, 62]
+        assert queued.outputs[0].token_ids == [40, 50, 41, 51, 42, 52, 43, 53]
+        assert {i: (s.tokens, s.chars) for i, s in a.samples.items()} == {
+            i: (s.tokens, s.chars) for i, s in b.samples.items()
+        }
