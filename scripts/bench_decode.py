@@ -4,7 +4,11 @@ B sequences each hold a `--context`-token KV cache (pages allocated; the values 
 speed) and decode one token per step. For each batch size:
 
   forward  model forward + logits for one step (wall time, synchronised; host launch cost included)
-  step     the whole step as the engine runs it: prepare, forward, sampling, one copy to the host
+  step     one step as the runner runs it: prepare, forward, sampling, one copy to the host
+           (synchronised: host and device time add up)
+  engine   a decode step of the engine's own loop (`Engine.step` with its overlap schedule, the host
+           work of step k+1 under the device work of step k): B requests of `--context` prompt tokens,
+           sampling at temperature 1 with logprobs, timed once all of them decode
   floor    (weight bytes + KV bytes read) / copy bandwidth, the bandwidth measured in this run by a
            large device-to-device copy (bytes read + written per second)
 
@@ -87,6 +91,32 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def engine_step(engine: Engine, batch: int, context: int, reps: int, seed: int) -> float:
+    """Seconds per decode step of `Engine.step` for `batch` requests with `context`-token prompts."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=1.0, max_new_tokens=reps + 64, ignore_eos=True, logprobs=True)
+    rids = [f"engine-{seed}-{i}" for i in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, rng.integers(0, vocab, context).tolist(), params)
+    start = engine.stats.decode_tokens
+    while engine.stats.decode_tokens - start < 4 * batch:  # every prompt computed, a few steps decoded
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    before = engine.stats.decode_tokens
+    for _ in range(reps):
+        engine.step()
+    sync()
+    seconds = time.perf_counter() - t0
+    if engine.stats.decode_tokens - before != reps * batch:
+        raise RuntimeError("a timed step was not a whole decode step of the batch")
+    for rid in rids:
+        engine.abort_request(rid)
+    engine.flush_cache()  # the prompts' pages: the next batch size needs them
+    return seconds / reps
+
+
 def profile_steps(runner, batch: ScheduledBatch, steps: int = 10) -> None:
     """Where a whole step's device time goes: the top kernels over a few steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -122,7 +152,8 @@ def main() -> None:
         device=args.device,
         attention_backend=args.backend,
         max_running_requests=max_bs,
-        max_total_tokens=(pages_per_seq * 16) * sum(args.batch_sizes) + 4096,
+        # the pages of the runner's batches, or (one at a time) the engine loop's growing requests
+        max_total_tokens=(pages_per_seq * 16 + args.reps + 128) * sum(args.batch_sizes) + 4096,
     )
     graphs = engine.runner.graphs
     weights = weight_bytes(engine.model)
@@ -149,8 +180,18 @@ def main() -> None:
             f"graph capture: {len(graphs.graphs)} sizes in {graphs.capture_seconds:.2f}s, "
             f"{graphs.memory_bytes / 2**20:.0f} MiB"
         )
-    head = ("batch", "graphs", "floor ms", "forward ms", "x floor", "step ms", "x floor")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (5, 6, 9, 10, 7, 8, 7))))
+    head = (
+        "batch",
+        "graphs",
+        "floor ms",
+        "forward ms",
+        "x floor",
+        "step ms",
+        "x floor",
+        "engine ms",
+        "x floor",
+    )
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (5, 6, 9, 10, 7, 8, 7, 9, 7))))
     runner = engine.runner
     for i, bs in enumerate(args.batch_sizes):
         batch = decode_batch(engine, bs, args.context, seed=i)
@@ -161,6 +202,12 @@ def main() -> None:
                 inputs = runner.prepare(batch)
                 forward = timed(lambda inputs=inputs: runner.forward_logits(inputs), args.reps)
                 step = timed(lambda batch=batch: runner.step(batch), args.reps)
+            whole = None  # the engine's loop runs as configured: in the graphs row when captured
+            if use_graphs or not graphs:
+                for seq in batch.seqs:
+                    engine.pages.release(seq.pages)
+                whole = engine_step(engine, bs, args.context, args.reps, seed=i)
+                batch = decode_batch(engine, bs, args.context, seed=i)
             row = dict(
                 batch=bs,
                 graphs=use_graphs,
@@ -169,11 +216,14 @@ def main() -> None:
                 forward_x=forward / floor,
                 step_ms=step * 1e3,
                 step_x=step / floor,
+                engine_ms=None if whole is None else whole * 1e3,
+                engine_x=None if whole is None else whole / floor,
             )
             info["rows"].append(row)
             print(
                 f"{bs:>5} {str(use_graphs):>6} {floor * 1e3:>9.3f} {forward * 1e3:>10.3f} "
-                f"{forward / floor:>7.2f} {step * 1e3:>8.3f} {step / floor:>7.2f}"
+                f"{forward / floor:>7.2f} {step * 1e3:>8.3f} {step / floor:>7.2f} "
+                + (f"{whole * 1e3:>9.3f} {whole / floor:>7.2f}" if whole else f"{'-':>9} {'-':>7}")
             )
         runner.graphs = graphs
         if args.profile and device.type == "cuda":
