@@ -23,7 +23,10 @@ class PageManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.enable_prefix_cache = enable_prefix_cache
         self.refs = [0] * num_pages
-        self.free_pages: deque[int] = deque(range(num_pages))
+        # free pages: those never handed out (ids from `_fresh` up, so a reset of a pool of 100k's of
+        # pages costs no list of them), then the ones given back, in the order they came back
+        self._fresh = 0
+        self.free_pages: deque[int] = deque()
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.index: dict[Key, int] = {}  # key -> page
         self.page_key: dict[int, Key] = {}
@@ -33,7 +36,7 @@ class PageManager:
 
     # -- allocation -------------------------------------------------------------------------------
     def available(self) -> int:
-        return len(self.free_pages) + len(self.evictable)
+        return self.num_pages - self._fresh + len(self.free_pages) + len(self.evictable)
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh pages (evicting cached ones, oldest first), or None when there are not enough."""
@@ -41,7 +44,10 @@ class PageManager:
             return None
         pages = []
         for _ in range(n):
-            page = self.free_pages.popleft() if self.free_pages else self._evict()
+            if self._fresh < self.num_pages:
+                page, self._fresh = self._fresh, self._fresh + 1
+            else:
+                page = self.free_pages.popleft() if self.free_pages else self._evict()
             self.refs[page] = 1
             pages.append(page)
         return pages
