@@ -196,6 +196,45 @@ def test_kernel_samples_the_truncated_distribution():
     assert chisquare(counts[live], probs[live] * rows).pvalue > 1e-3, (counts, probs * rows)
 
 
+@pytest.mark.parametrize("kind", ["flat", "peaked", "tied"])
+def test_kernel_with_small_blocks_equals_the_sort(monkeypatch, kind):
+    """Blocks of 128 tokens: 17 to a row, so the draw's block search and the one-block cumsum (not one
+    block holding the whole row) decide; the result does not depend on the block size."""
+    from rollout.runner import sample_kernel
+
+    cases = [p for p in CASES if p.top_k <= 1000]
+    logits, sb = batch(kind, 2100, seed=11, cases=cases, device=DEVICE)
+    want = kernel_draw(logits, sb)
+    monkeypatch.setattr(sample_kernel, "BLOCK", 128)
+    assert sample_kernel.launch_config(2100)["BLOCK"] == 128
+    assert_kernel_same_as_reference(logits, sb)
+    got = kernel_draw(logits, sb)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_kernel_draw_at_block_edges(monkeypatch):
+    """Weights in units of 2**-9 of 512 tokens, blocks of 128, u = (units) / 512: the target falls on a
+    unit's start, at the first and last tokens of blocks; where a block's first token has no weight the
+    draw moves on to the next one with weight."""
+    from rollout.runner import sample_kernel
+
+    monkeypatch.setattr(sample_kernel, "BLOCK", 128)
+    uniform = torch.full((1024,), 2.0**-9)
+    uniform[512:] = 0
+    holes = uniform.clone()  # 128 and 256 weigh nothing; 0 and 1 two units each: 512 units in all
+    holes[[128, 256]] = 0
+    holes[[0, 1]] = 2.0**-8
+    ids = [0, 1, 127, 128, 129, 255, 256, 383, 384, 510, 511]
+    rows = [(uniform, max(i, 1e-3), i) for i in ids]  # token i starts at unit i
+    rows += [(holes, 129, 127), (holes, 130, 129), (holes, 257, 257), (holes, 258, 258), (holes, 511, 511)]
+    dev = torch.device(DEVICE)
+    probs = torch.stack([r[0] for r in rows]).to(dev)
+    sb = SamplingBatch.build([SamplingParams()] * len(rows), [r[1] / 512 for r in rows], 512, dev)
+    tokens, _ = sample_kernel.sample_rows(probs, 512, sb.top_k, sb.top_p, sb.min_p, sb.uniforms)
+    assert tokens.tolist() == [r[2] for r in rows]
+    assert torch.equal(tokens, sampler._inverse_cdf(sampler._fixed(probs), sb.uniforms))
+
+
 @pytest.mark.slow
 def test_kernel_equals_the_sort_at_qwen_vocab():
     cases = [SamplingParams(top_k=40, top_p=0.9)]

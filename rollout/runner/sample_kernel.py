@@ -9,7 +9,11 @@ It makes exactly the decisions of the sort-based reference in sampler.py (`_top_
   key t with (count of keys above t) < top_k and (weight of keys above t) < top_p * top-k weight, both
   monotone in t, so it is found by bisection over the key space: one pass over the row per halving;
 - weights are the reference's fixed-point integers and every sum is an integer sum, exact in any order,
-  so a row's result does not depend on the block size or on the rest of the batch.
+  so a row's result does not depend on the block size or on the rest of the batch;
+- the inverse-CDF draw sums each block of the kept weights, finds the one block where the running weight
+  crosses the target and takes a cumsum of that block only: the full cumsum's answer, since the sums
+  are exact. Without truncation (top_k off, top_p 1, min_p 0: the common RL setting) the first pass's
+  block weights are the kept ones, so the row is read once, plus one block.
 
 No host syncs and a grid that depends only on the batch size: safe to capture in a CUDA graph.
 """
@@ -20,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 8192
-NUM_WARPS = 16
+BLOCK = 8192  # tokens a program loads at once at a real vocabulary: 16 per thread of 16 warps
+MIN_BLOCK = 128
 
 
 @triton.jit
@@ -135,6 +139,35 @@ def _kept(offs, bits, p, cut_bits, cut_id, min_w):
 
 
 @triton.jit
+def _kept_sums(row_ptr, V, cut_bits, cut_id, min_w, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """Each block's kept weight (int64 [NB]; zeros past the row's last block)."""
+    sums = tl.zeros((NB,), dtype=tl.int64)
+    for start in range(0, V, BLOCK):
+        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
+        s = tl.sum(_kept(offs, bits, p, cut_bits, cut_id, min_w))  # a sum, not a cumsum: the cheap part
+        sums = tl.where(tl.arange(0, NB) == start // BLOCK, s, sums)
+    return sums
+
+
+@triton.jit
+def _inverse_cdf(row_ptr, V, sums, u, cut_bits, cut_id, min_w, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """The token at floor(u * kept total) in the kept weights' running sum, from the blocks' weights:
+    the first token whose running weight exceeds the target. Only the block where the running weight
+    crosses the target needs a cumsum; integer sums make it the full cumsum's answer exactly."""
+    total = tl.sum(sums)
+    target = (u * total.to(tl.float64)).to(tl.int64)
+    target = tl.minimum(target, total - 1)  # u * total may round up to total: take the last token
+    blocks = tl.arange(0, NB)
+    ends = tl.cumsum(sums, axis=0)  # running weight at each block's end
+    b = tl.sum((ends <= target).to(tl.int32))  # the first block ending above the target
+    before = tl.sum(tl.where(blocks < b, sums, 0))
+    offs, valid, bits, p = _load(row_ptr, b * BLOCK, V, BLOCK)
+    cdf = before + tl.cumsum(_kept(offs, bits, p, cut_bits, cut_id, min_w), axis=0)
+    # positions whose running weight is <= target: those before the token (the running sum grows)
+    return b.to(tl.int64) * BLOCK + tl.sum((valid & (cdf <= target)).to(tl.int64))
+
+
+@triton.jit
 def _sample_kernel(
     probs_ptr,
     stride,
@@ -147,21 +180,24 @@ def _sample_kernel(
     tokens_ptr,
     cuts_ptr,
     BLOCK: tl.constexpr,
+    NB: tl.constexpr,  # a power of two >= the row's blocks: the per-block weights' vector
     ID_BITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = probs_ptr + row.to(tl.int64) * stride
     k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row * param_stride).to(tl.float64)
-    total = tl.zeros((BLOCK,), dtype=tl.int64)
+    # one pass for the row's range of probabilities and each block's weight: without truncation (the
+    # common RL setting) those are the draw's block weights, and the draw reads one block more
+    sums = tl.zeros((NB,), dtype=tl.int64)
     lo = tl.full((BLOCK,), 0x7FFFFFFF, dtype=tl.int32)
     hi = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(0, V, BLOCK):
         offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
-        total += _fixed(p)
+        sums = tl.where(tl.arange(0, NB) == start // BLOCK, tl.sum(_fixed(p)), sums)
         lo = tl.minimum(lo, tl.where(valid, bits, 0x7FFFFFFF))
         hi = tl.maximum(hi, bits)
-    total = tl.sum(total)
+    total = tl.sum(sums)
     lo = tl.min(lo) - 1  # below every token: the searches' predicates fail there
     hi = tl.max(hi)
     top = _fixed(hi.to(tl.float32, bitcast=True))  # the largest weight: the top token survives everything
@@ -171,11 +207,8 @@ def _sample_kernel(
         cut, b, _, kept = _cut(row_ptr, V, lo, hi, k.to(tl.float64), True, BLOCK, ID_BITS)
         total = _above(row_ptr, V, b, False, BLOCK) + kept * _fixed(b.to(tl.float32, bitcast=True))
         lo = b - 1
-    kept_total = total
     if top_p < 1.0:
-        key, b, above, kept = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
-        if key > cut:  # else the top-k cut is the higher one, and total what survives it
-            kept_total = above + kept * _fixed(b.to(tl.float32, bitcast=True))
+        key, _, _, _ = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
         cut = tl.maximum(cut, key)
     cut_bits = (cut >> ID_BITS).to(tl.int32)
     cut_id = ((1 << ID_BITS) - 1 - (cut & ((1 << ID_BITS) - 1))).to(tl.int32)
@@ -184,30 +217,28 @@ def _sample_kernel(
     floor = tl.load(min_p_ptr + row * param_stride).to(tl.float64) * top.to(tl.float64)
     min_w = floor.to(tl.int64)
     min_w = tl.where(min_w.to(tl.float64) < floor, min_w + 1, min_w)
-    if min_w > 0:
-        acc = tl.zeros((BLOCK,), dtype=tl.int64)
-        for start in range(0, V, BLOCK):
-            offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
-            acc += _kept(offs, bits, p, cut_bits, cut_id, min_w)
-        kept_total = tl.sum(acc)
-
-    # inverse CDF in token order: the token is the number of positions whose running weight is <= target
-    target = (tl.load(u_ptr + row) * kept_total.to(tl.float64)).to(tl.int64)
-    target = tl.minimum(target, kept_total - 1)  # u * total may round up to total: take the last token
-    running = tl.zeros((), dtype=tl.int64)
-    token = tl.zeros((BLOCK,), dtype=tl.int64)
-    for start in range(0, V, BLOCK):
-        offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
-        kw = _kept(offs, bits, p, cut_bits, cut_id, min_w)
-        cdf = running + tl.cumsum(kw, axis=0)
-        token += (valid & (cdf <= target)).to(tl.int64)
-        running += tl.sum(kw)
-    tl.store(tokens_ptr + row, tl.sum(token))
+    if (cut > 0) | (min_w > 0):  # truncated: the first pass's block weights are not the kept ones
+        sums = _kept_sums(row_ptr, V, cut_bits, cut_id, min_w, BLOCK, NB)
+    token = _inverse_cdf(row_ptr, V, sums, tl.load(u_ptr + row), cut_bits, cut_id, min_w, BLOCK, NB)
+    tl.store(tokens_ptr + row, token)
     tl.store(cuts_ptr + row, cut)
 
 
 def id_bits(vocab: int) -> int:
     return max(1, (vocab - 1).bit_length())
+
+
+def block_size(vocab: int) -> int:
+    """BLOCK, or a small vocabulary rounded up to a power of two (no lanes spent past a test
+    vocabulary; the result does not depend on the block size)."""
+    return min(BLOCK, max(MIN_BLOCK, triton.next_power_of_2(vocab)))
+
+
+def launch_config(vocab: int) -> dict:
+    """The kernel's block, its vector of per-block weights (a power of two, at least 2) and warps."""
+    block = block_size(vocab)
+    nb = max(2, triton.next_power_of_2(triton.cdiv(vocab, block)))
+    return dict(BLOCK=block, NB=nb, num_warps=max(1, min(16, block // 512)))
 
 
 def sample_rows(
@@ -226,6 +257,6 @@ def sample_rows(
     cuts = torch.empty(N, dtype=torch.int64, device=probs.device)
     _sample_kernel[(N,)](
         probs, probs.stride(0), vocab, top_k, top_p, min_p, top_p.stride(0), uniforms, tokens, cuts,
-        BLOCK=BLOCK, ID_BITS=id_bits(vocab), num_warps=NUM_WARPS,
+        ID_BITS=id_bits(vocab), **launch_config(vocab),
     )  # fmt: skip
     return tokens, cuts
