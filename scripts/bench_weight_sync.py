@@ -12,6 +12,9 @@ number of tensors (the host cost of a tensor when the data is small).
 
     python scripts/bench_weight_sync.py --models qwen2.5-0.5b-thin --buckets-mb 128 --device cpu
 
+`--profile` adds, per transport, a cProfile of one more sync at the largest bucket (top functions by
+own time): where the time over the floor goes on the host.
+
 A `-thin` shape (scripts/models.py: same names and layer count, hidden size 64) measures the host cost
 per tensor on its own: its data moves in microseconds.
 """
@@ -66,6 +69,22 @@ def _sync(*devices: torch.device) -> None:
             torch.cuda.synchronize(d)
 
 
+def profiled(label: str, fn: Callable[[], object], top: int = 14) -> None:
+    """One call of `fn` under cProfile, its top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    body = out.getvalue()
+    print(f"-- profile: {label}\n{body[body.find('   ncalls') :]}", flush=True)
+
+
 def timed(fn: Callable[[], object], repeat: int) -> float:
     fn()  # warm-up: allocations, IPC handles, NCCL communicator
     times = []
@@ -76,11 +95,24 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(model, target, buckets: list[int], repeat: int, **kw) -> list[tuple[int, float]]:
-    return [(b, timed(partial(sync_weights, model, target, bucket_bytes=b, **kw), repeat)) for b in buckets]
+def measure(
+    model, target, buckets: list[int], repeat: int, profile: str = "", **kw
+) -> list[tuple[int, float]]:
+    results = [
+        (b, timed(partial(sync_weights, model, target, bucket_bytes=b, **kw), repeat)) for b in buckets
+    ]
+    if profile:
+        bucket = max(buckets)
+        profiled(
+            f"{profile}, {bucket / 2**20:g} MB",
+            partial(sync_weights, model, target, bucket_bytes=bucket, **kw),
+        )
+    return results
 
 
-def measure_update(engine: Engine, model: torch.nn.Module, repeat: int) -> list[tuple[int, float]]:
+def measure_update(
+    engine: Engine, model: torch.nn.Module, repeat: int, profile: bool
+) -> list[tuple[int, float]]:
     """Engine.update_weights_from_tensor of every weight at once, already in the engine's dtype (the
     trainer's cast not counted)."""
     named = [(n, p.detach().to(engine.dtype)) for n, p in model.named_parameters()]
@@ -90,7 +122,10 @@ def measure_update(engine: Engine, model: torch.nn.Module, repeat: int) -> list[
         engine.update_weights_from_tensor(named)
         _sync(device)
 
-    return [(0, timed(update, repeat))]
+    result = [(0, timed(update, repeat))]
+    if profile:
+        profiled("update_weights_from_tensor, list", update)
+    return result
 
 
 def bench_one(name: str, args, device: torch.device, rows: list[str]) -> None:
@@ -121,13 +156,16 @@ def bench_one(name: str, args, device: torch.device, rows: list[str]) -> None:
             print(row, flush=True)
 
     engine = Engine(str(folder), **opts)
-    record("update_weights_from_tensor, list", measure_update(engine, model, args.repeat), floor)
-    record("in-process, tensors", measure(model, engine, buckets, args.repeat), floor)
-    record("in-process, flattened", measure(model, engine, buckets, args.repeat, flatten=True), floor)
+    prof = args.profile
+    record("update_weights_from_tensor, list", measure_update(engine, model, args.repeat, prof), floor)
+    for transport, kw in (("in-process, tensors", {}), ("in-process, flattened", {"flatten": True})):
+        results = measure(model, engine, buckets, args.repeat, transport if prof else "", **kw)
+        record(transport, results, floor)
     engine = None  # free its weights before the next engine loads
     ipc = "CUDA IPC" if device.type == "cuda" else "shared memory"
     with EngineProcess(str(folder), **opts) as proc:
-        record(f"EngineProcess, {ipc}", measure(model, proc, buckets, args.repeat), floor)
+        label = f"EngineProcess, {ipc}"
+        record(label, measure(model, proc, buckets, args.repeat, label if prof else ""), floor)
     if device.type == "cuda" and torch.cuda.device_count() >= 2 and not args.no_nccl:
         other = torch.device("cuda", (device.index or 0) + 1)
         p2p_floor = weight_bytes / copy_bandwidth(device, other)
@@ -146,6 +184,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-nccl", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one sync per transport")
     args = ap.parse_args()
     args.buckets_mb = [float(x) for x in args.buckets_mb.split(",")]
     for model in args.models.split(","):
