@@ -37,7 +37,8 @@ for part in $PARTS; do
       stage grpo 240 python3 scripts/bench_throughput.py --model "$M" --workload 2 --w2 64 8 512 512 \
         --json "$LOG/grpo.json" ;;
     sync)
-      stage sync 240 python3 scripts/bench_weight_sync.py --models "$M" --buckets-mb 128,512 --no-nccl --repeat 5 ;;
+      stage sync 240 python3 scripts/bench_weight_sync.py --models "$M" --buckets-mb 128,512 --no-nccl --repeat 5 \
+        --profile ;;
     memory)
       stage memory 240 python3 scripts/bench_memory.py --model "$M" --repeats 3 ;;
     start)
