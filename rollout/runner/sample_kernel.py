@@ -168,25 +168,8 @@ def _inverse_cdf(row_ptr, V, sums, u, cut_bits, cut_id, min_w, BLOCK: tl.constex
 
 
 @triton.jit
-def _sample_kernel(
-    probs_ptr,
-    stride,
-    V,
-    top_k_ptr,
-    top_p_ptr,
-    min_p_ptr,
-    param_stride,  # top_p and min_p are columns of one [N, 3] float32 tensor (SamplingBatch)
-    u_ptr,
-    tokens_ptr,
-    cuts_ptr,
-    BLOCK: tl.constexpr,
-    NB: tl.constexpr,  # a power of two >= the row's blocks: the per-block weights' vector
-    ID_BITS: tl.constexpr,
-):
-    row = tl.program_id(0)
-    row_ptr = probs_ptr + row.to(tl.int64) * stride
-    k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row * param_stride).to(tl.float64)
+def _truncation(row_ptr, V, k, top_p, min_p, BLOCK: tl.constexpr, NB: tl.constexpr, ID_BITS: tl.constexpr):
+    """A row's cut key (top-k, then top-p), min-p's least weight and each block's kept weight."""
     # one pass for the row's range of probabilities and each block's weight: without truncation (the
     # common RL setting) those are the draw's block weights, and the draw reads one block more
     sums = tl.zeros((NB,), dtype=tl.int64)
@@ -210,15 +193,54 @@ def _sample_kernel(
     if top_p < 1.0:
         key, _, _, _ = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
         cut = tl.maximum(cut, key)
-    cut_bits = (cut >> ID_BITS).to(tl.int32)
-    cut_id = ((1 << ID_BITS) - 1 - (cut & ((1 << ID_BITS) - 1))).to(tl.int32)
 
     # min-p against the largest weight; integer weights pass a float bound when they reach its ceiling
-    floor = tl.load(min_p_ptr + row * param_stride).to(tl.float64) * top.to(tl.float64)
+    floor = min_p * top.to(tl.float64)
     min_w = floor.to(tl.int64)
     min_w = tl.where(min_w.to(tl.float64) < floor, min_w + 1, min_w)
     if (cut > 0) | (min_w > 0):  # truncated: the first pass's block weights are not the kept ones
+        cut_bits, cut_id = _split(cut, ID_BITS)
         sums = _kept_sums(row_ptr, V, cut_bits, cut_id, min_w, BLOCK, NB)
+    return cut, min_w, sums
+
+
+@triton.jit
+def _split(cut, ID_BITS: tl.constexpr):
+    """A key's (probability bits, token id)."""
+    return (cut >> ID_BITS).to(tl.int32), ((1 << ID_BITS) - 1 - (cut & ((1 << ID_BITS) - 1))).to(tl.int32)
+
+
+@triton.jit
+def _sample_kernel(
+    probs_ptr,
+    stride,
+    V,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    param_stride,  # top_p and min_p are columns of one [N, 3] float32 tensor (SamplingBatch)
+    u_ptr,
+    sums_ptr,  # int64 [N, NB]: each block's weight (softmax_kernel), read when GIVEN_SUMS
+    tokens_ptr,
+    cuts_ptr,
+    BLOCK: tl.constexpr,
+    NB: tl.constexpr,  # a power of two >= the row's blocks: the per-block weights' vector
+    ID_BITS: tl.constexpr,
+    GIVEN_SUMS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = probs_ptr + row.to(tl.int64) * stride
+    k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row * param_stride).to(tl.float64)
+    min_p = tl.load(min_p_ptr + row * param_stride).to(tl.float64)
+    plain = (k >= V) & (top_p >= 1.0) & (min_p <= 0.0)  # nothing to truncate
+    if plain & GIVEN_SUMS:  # the block weights are known: no pass over the row before the draw's block
+        cut = tl.zeros((), dtype=tl.int64)
+        min_w = tl.zeros((), dtype=tl.int64)
+        sums = tl.load(sums_ptr + row.to(tl.int64) * NB + tl.arange(0, NB))
+    else:
+        cut, min_w, sums = _truncation(row_ptr, V, k, top_p, min_p, BLOCK, NB, ID_BITS)
+    cut_bits, cut_id = _split(cut, ID_BITS)
     token = _inverse_cdf(row_ptr, V, sums, tl.load(u_ptr + row), cut_bits, cut_id, min_w, BLOCK, NB)
     tl.store(tokens_ptr + row, token)
     tl.store(cuts_ptr + row, cut)
@@ -248,15 +270,22 @@ def sample_rows(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     uniforms: torch.Tensor,
+    block_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """probs: float32 [N, >= vocab] (row stride may exceed vocab). Returns each row's token and cut key
-    (int64 [N]): the tokens that survive top-k and top-p are those whose key (`keys`) is >= the cut."""
+    (int64 [N]): the tokens that survive top-k and top-p are those whose key (`keys`) is >= the cut.
+
+    block_sums: int64 [N, NB] (`launch_config`), the `_fixed` weight of each BLOCK of each row's probs
+    (softmax_kernel computes them while writing probs); rows without truncation then draw from them."""
     N = probs.shape[0]
     assert top_p.stride(0) == min_p.stride(0) and top_k.is_contiguous() and uniforms.is_contiguous()
+    cfg = launch_config(vocab)
+    assert block_sums is None or (block_sums.shape == (N, cfg["NB"]) and block_sums.is_contiguous())
     tokens = torch.empty(N, dtype=torch.int64, device=probs.device)
     cuts = torch.empty(N, dtype=torch.int64, device=probs.device)
     _sample_kernel[(N,)](
-        probs, probs.stride(0), vocab, top_k, top_p, min_p, top_p.stride(0), uniforms, tokens, cuts,
-        ID_BITS=id_bits(vocab), **launch_config(vocab),
+        probs, probs.stride(0), vocab, top_k, top_p, min_p, top_p.stride(0), uniforms,
+        tokens if block_sums is None else block_sums, tokens, cuts,
+        ID_BITS=id_bits(vocab), GIVEN_SUMS=block_sums is not None, **cfg,
     )  # fmt: skip
     return tokens, cuts

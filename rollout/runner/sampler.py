@@ -13,6 +13,12 @@ the sort-based reference (`sort_draw`, the sampler before), so seeded tokens did
 - CUDA: one Triton program per row finds the cut by bisection and draws (sample_kernel.py); no host
   sync, CUDA-graph capturable;
 - elsewhere (the CPU): `torch.topk` candidates decide most rows, the sort the rest (`_cuts`).
+
+On CUDA, logits become logprobs and padded probs in one fused Triton pass (softmax_kernel.py, issue #15
+round 2; it reads bf16 logits as well as float32), which also hands the sampling kernel each block's
+weight so that a row without truncation is drawn from one block of its probs. The CPU keeps torch's
+log_softmax and exp. Adjusted logits (penalties, bias, min_tokens), raw logprobs beside them and
+processed logprobs keep their torch steps. The argmax is taken only when some row is greedy.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class SamplingBatch:
     needs_min_p: bool
     num_top_logprobs: int
     adjusts_logits: bool = False  # a row uses min_tokens, logit_bias or a penalty: `adjust` must be set
+    any_greedy: bool = True  # False: no row needs the argmax
     processed: torch.Tensor | None = None  # bool [N], rows with logprobs_mode="processed" (None: none)
     adjust: LogitAdjust | None = None
 
@@ -72,6 +79,7 @@ class SamplingBatch:
             top_k=ints,
             uniforms=us,
             all_greedy=all(p.greedy for p in distinct),
+            any_greedy=any(p.greedy for p in distinct),
             needs_sort=any(p.needs_sort for p in distinct),
             needs_min_p=any(p.min_p > 0 and not p.greedy for p in distinct),
             num_top_logprobs=max(p.top_logprobs for p in distinct),
@@ -89,24 +97,27 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """logits: float32 [N, V]. Reported logprobs: see SamplingParams (raw by default, or processed)."""
+    """logits: float32 (or bf16 / fp16) [N, V]. Reported logprobs: see SamplingParams (raw by default, or
+    processed)."""
     greedy = sb.temperatures == 0
-    scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures).unsqueeze(1)
+    scale = torch.where(greedy, torch.ones_like(sb.temperatures), sb.temperatures)
     raw = logits
     if sb.adjusts_logits:
-        logits = sb.adjust.apply(logits)
-    logprobs = torch.log_softmax(logits / scale, dim=-1)
-    tokens = logits.argmax(dim=-1)  # torch documents the first of equal maxima: the lowest id
+        logits = sb.adjust.apply(logits.float())
+    logprobs, probs, sums = _log_softmax(logits, scale, sb)
+    scale = scale.unsqueeze(1)
+    # torch documents the first of equal maxima, the lowest id; not needed without a greedy row
+    tokens = logits.argmax(dim=-1) if sb.any_greedy else None
     weights = None
     if not sb.all_greedy:
-        drawn, kept = _draw(logprobs, sb)
-        tokens = torch.where(greedy, tokens, drawn)
+        drawn, kept = _draw(logprobs, sb, probs, sums)
+        tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         if sb.processed is not None:
             weights = kept()
     if sb.processed is not None:
-        logprobs = _reported(raw, logprobs, weights, scale, greedy, sb)
+        logprobs = _reported(raw.float(), logprobs, weights, scale, greedy, sb)
     elif sb.adjusts_logits:
-        logprobs = torch.log_softmax(raw / scale, dim=-1)  # raw: before penalties and bias
+        logprobs = torch.log_softmax(raw.float() / scale, dim=-1)  # raw: before penalties and bias
     top_ids = top_lp = None
     if sb.num_top_logprobs:
         top_lp, top_ids = _topk_lowest_id_first(logprobs, sb.num_top_logprobs)
@@ -144,24 +155,50 @@ def _reported(
     return torch.where(sb.processed.unsqueeze(1), processed, base)
 
 
-def _draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+def _log_softmax(
+    logits: torch.Tensor, scale: torch.Tensor, sb: SamplingBatch
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log_softmax(logits / scale) (scale: [N]) and, from the fused kernel (CUDA), the padded probs
+    that the draw takes and their block weights for the sampling kernel (None, None: the draw makes
+    its probs)."""
+    if not _triton(logits):
+        return torch.log_softmax(logits.float() / scale.unsqueeze(1), dim=-1), None, None
+    # probs and block weights even when no row draws: one kernel variant, so the same bits (see there)
+    V = logits.shape[1]
+    cfg = _kernel().launch_config(V)  # block weights over the sampling kernel's blocks
+    return _softmax_kernel().log_softmax_rows(logits.contiguous(), scale, _padded(V), cfg["BLOCK"], cfg["NB"])
+
+
+def _draw(
+    logprobs: torch.Tensor,
+    sb: SamplingBatch,
+    probs: torch.Tensor | None = None,
+    block_sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """Truncate each row (top-k, then top-p on what is left, then min-p) and draw by inverse CDF.
     Returns the tokens, and a function that gives the integer weights drawn from ([N, V] padded to
-    CDF_BLOCK; only processed logprobs need them)."""
-    probs = _padded_exp(logprobs)
+    CDF_BLOCK; only processed logprobs need them). probs: exp(logprobs) padded to CDF_BLOCK, if made
+    already; block_sums: their weight per sampling-kernel block (softmax_kernel)."""
+    probs = _padded_exp(logprobs) if probs is None else probs
     V = logprobs.shape[1]
-    if probs.is_cuda and _kernel() is not None:
+    if _triton(probs):
         # one program per row, no sort, no host sync (sample_kernel.py)
-        tokens, cuts = _kernel().sample_rows(probs, V, sb.top_k, sb.top_p, sb.min_p, sb.uniforms)
+        tokens, cuts = _kernel().sample_rows(probs, V, sb.top_k, sb.top_p, sb.min_p, sb.uniforms, block_sums)
         return tokens, lambda: _kept_weights(probs, V, cuts if sb.needs_sort else None, sb)
     weights = _kept_weights(probs, V, _cuts(probs, V, sb) if sb.needs_sort else None, sb)
     return _inverse_cdf(weights, sb.uniforms), lambda: weights
 
 
-def sort_draw(logprobs: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+def sort_draw(
+    logprobs: torch.Tensor,
+    sb: SamplingBatch,
+    probs: torch.Tensor | None = None,
+    block_sums: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """`_draw` as it was before the sort-free paths (issue #15): a full-vocabulary sort for top-k and
-    top-p. The reference that tests and scripts/bench_sampler.py compare `_draw` with."""
-    probs = _padded_exp(logprobs)
+    top-p. The reference that tests and scripts/bench_sampler.py compare `_draw` with (block_sums, the
+    kernel's shortcut, is not used)."""
+    probs = _padded_exp(logprobs) if probs is None else probs
     weights = _fixed(probs)
     if sb.needs_sort:
         weights = weights * _top_k_top_p(probs, sb.top_k, sb.top_p)
@@ -256,6 +293,11 @@ def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.zeros_like(keep).scatter_(1, order, keep)
 
 
+def _triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s rows go through the Triton kernels: on CUDA, with triton installed."""
+    return t.is_cuda and _kernel() is not None and _softmax_kernel() is not None
+
+
 @functools.cache
 def _kernel():
     """The Triton sampling kernel module, or None without triton (imported on first use: the CPU tests
@@ -265,6 +307,16 @@ def _kernel():
     except ImportError:
         return None
     return sample_kernel
+
+
+@functools.cache
+def _softmax_kernel():
+    """The fused log-softmax kernel module (softmax_kernel.py), or None without triton."""
+    try:
+        from rollout.runner import softmax_kernel
+    except ImportError:
+        return None
+    return softmax_kernel
 
 
 def _topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,11 +354,15 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (b * CDF_BLOCK + i).squeeze(1)
 
 
+def _padded(V: int) -> int:
+    return -(-V // CDF_BLOCK) * CDF_BLOCK
+
+
 def _padded_exp(logprobs: torch.Tensor) -> torch.Tensor:
     """exp(logprobs) written into a buffer whose width is a multiple of CDF_BLOCK (zeros past the
     vocabulary), so the inverse CDF needs no padded copy."""
     N, V = logprobs.shape
-    probs = torch.empty(N, -(-V // CDF_BLOCK) * CDF_BLOCK, dtype=logprobs.dtype, device=logprobs.device)
+    probs = torch.empty(N, _padded(V), dtype=logprobs.dtype, device=logprobs.device)
     torch.exp(logprobs, out=probs[:, :V])
     probs[:, V:].zero_()
     return probs
