@@ -107,6 +107,40 @@ class ProcessAsyncEngine(AsyncFront):
         self._finalizer = weakref.finalize(self, _stop_child, self._conn, self._proc)
         self.tokenizer = _load_tokenizer(str(model))  # while the child loads the model
         self._facts = self._wait_started(start_timeout)
+        self._start_threads()
+
+    @classmethod
+    def attach(
+        cls, address: str, authkey: bytes, *, max_queued_requests: int | None = None, timeout: float = 60.0
+    ) -> ProcessAsyncEngine:
+        """Another front over the engine process of a ProcessAsyncEngine that called `listen` (from
+        any process of this host; `python -m rollout.serve --api-server-count N` runs N such fronts).
+        Its requests and streams are its own; aborts, pauses, weight updates and memory calls act on
+        the one engine. Closing it aborts its own requests only; the engine lives as long as the
+        ProcessAsyncEngine that started it."""
+        from multiprocessing.connection import Client
+
+        self = cls.__new__(cls)
+        self._init_front(max_queued_requests)
+        self._conn, self._proc = Client(address, family="AF_UNIX", authkey=authkey), None
+        self._finalizer = weakref.finalize(self, _detach, self._conn)
+        self._facts = self._wait_started(timeout)
+        self.tokenizer = _load_tokenizer(self._facts["model_path"])
+        self._start_threads()
+        return self
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Block until the link to the engine process is gone (closed, or the process ended); returns
+        whether it is."""
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
+
+    def listen(self) -> tuple[str, bytes]:
+        """Let other fronts attach to this engine (`attach`); returns the address and key they need.
+        The address is a Unix socket of this host, open until the engine process ends."""
+        return self._post(W.LISTEN).result()
+
+    def _start_threads(self) -> None:
         self.model_path, self.tp_rank = self._facts["model_path"], self._facts["tp_rank"]
         self._lock = threading.Condition()  # guards the tables below and wakes the sender
         self._channels: dict[Hashable, _Channel] = {}
@@ -130,12 +164,13 @@ class ProcessAsyncEngine(AsyncFront):
             raise
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._facts["pid"]
 
     @property
     def alive(self) -> bool:
-        return self._dead is None and self._proc.is_alive()
+        return self._dead is None and (self._proc is None or self._proc.is_alive())
 
     # -- requests ---------------------------------------------------------------------------------
     async def _open(
@@ -262,14 +297,16 @@ class ProcessAsyncEngine(AsyncFront):
 
     def _child_gone(self) -> None:
         """Fail everything pending: the child exited (closed, or died) and nothing more will come."""
-        self._proc.join(timeout=5)
+        if self._proc is not None:
+            self._proc.join(timeout=5)
         with self._lock:
             closing = self._stopping or self._closed
-            self._dead = (
-                "the AsyncEngine was shut down"
-                if closing
-                else f"the engine process died (exit code {self._proc.exitcode})"
-            )
+            if closing:
+                self._dead = "the AsyncEngine was shut down"
+            elif self._proc is None:
+                self._dead = "the engine process closed the connection (it stopped, or died)"
+            else:
+                self._dead = f"the engine process died (exit code {self._proc.exitcode})"
             channels, self._channels = list(self._channels.values()), {}
             futures, self._futures = list(self._futures.values()), {}
             self._lock.notify_all()
@@ -284,7 +321,8 @@ class ProcessAsyncEngine(AsyncFront):
     def close(self) -> None:
         """Stop the child: requests in flight end as aborted (callers get their partial outputs), then
         it shuts its engine down and exits. A child that does not stop within CLOSE_TIMEOUT_S is
-        terminated, then killed. Safe to call twice."""
+        terminated, then killed. An attached front (`attach`) only detaches: its own requests end as
+        aborted, the engine goes on. Safe to call twice."""
         with self._count_lock:
             if self._stopping:
                 first = False
@@ -294,13 +332,24 @@ class ProcessAsyncEngine(AsyncFront):
             with self._lock:
                 self._outbox.append(Call(0, CLOSE, (), {}))
                 self._lock.notify()
-            reap(self._proc, CLOSE_TIMEOUT_S)
-        self._reader.join()
+            if self._proc is not None:
+                reap(self._proc, CLOSE_TIMEOUT_S)
+        # an attached front: the worker aborts its requests, sends their outputs, then closes the link
+        self._reader.join(None if self._proc is not None else CLOSE_TIMEOUT_S)
         self._sender.join()
         with self._count_lock:
             self._closed = True
         self._finalizer.detach()
         self._conn.close()
+
+
+def _detach(conn: Any) -> None:
+    """An attached front's finalizer: say goodbye to the worker (it aborts that front's requests)."""
+    try:
+        conn.send([Call(0, CLOSE, (), {})])
+    except (OSError, ValueError):
+        pass
+    conn.close()
 
 
 def _by_request(deltas: list[TokenDelta]) -> dict[Hashable, list[TokenDelta]]:

@@ -8,6 +8,11 @@ pipe. While one update is on its way the turns' results gather into the next, so
 behind (many clients' SSE and JSON) gets fewer, larger updates instead of slowing the device. The HTTP
 work, the text work for streams and the JSON stay in the parent.
 
+More parents may attach (`listen`; several HTTP server processes over one engine): each has its own
+link (pipe, sender, update), gets the outputs of the requests it added and the answers to its
+commands; aborts, pauses and RL methods act on the one engine whoever sends them. The worker ends with
+the parent that started it; another parent's close or death aborts only its own requests.
+
 Requests are added with stream=False, so `step` builds outputs only for the requests that end (the work
 `Engine.generate` does too); the tokens of streamed requests are read with `Engine.token_deltas` when
 an update is handed to the sender, not on every step.
@@ -16,18 +21,20 @@ an update is handed to the sender, not on every step.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Hashable
+from multiprocessing import connection
 from typing import Any
 
-from rollout.process import handle_call
+from rollout.process import _facts, handle_call
 from rollout.wire import CLOSE, Call, Reply, Update, error_reply
 
 log = logging.getLogger("rollout")
 
 # the commands the worker runs itself; any other name is an Engine method or a property read
-ADD, ABORT, ABORT_ALL, PAUSE, CONTINUE = "add", "abort", "abort_all", "pause", "continue"
+ADD, ABORT, ABORT_ALL, PAUSE, CONTINUE, LISTEN = "add", "abort", "abort_all", "pause", "continue", "listen"
 
 
 def run(conn: Any, engine: Any) -> None:
@@ -38,21 +45,40 @@ def run(conn: Any, engine: Any) -> None:
     _Worker(conn, engine).loop()
 
 
+class _Link:
+    """One parent's connection: the update gathering for it and the thread that sends it. The first
+    link is the parent that started the worker (its close or death ends the worker); others attached
+    through `listen` (more HTTP server processes) and may come and go."""
+
+    def __init__(self, conn: Any, primary: bool):
+        self.conn, self.primary = conn, primary
+        self.update = Update()  # what the turns since the last hand-over produced for this parent
+        self.sender = _Sender(conn)
+
+
 class _Worker:
     def __init__(self, conn: Any, engine: Any):
-        self.conn, self.engine = conn, engine
+        self.engine = engine
+        self.links = [_Link(conn, primary=True)]
         # requests in flight -> output tokens already sent, per sample (None: not streamed)
         self.live: dict[Hashable, list[int] | None] = {}
+        self.owner: dict[Hashable, _Link] = {}  # the parent that added each request in flight
         self.paused: str | None = None
         self.stalled = False  # the last step raised with requests left in flight: wait for a command
-        self.update = Update()  # what the turns since the last hand-over produced
-        self.sender = _Sender(conn)
+        self.listener: connection.Listener | None = None
+        self._key = os.urandom(32)  # what an attaching parent must know
+        self._accepted: list[Any] = []  # connections the accepting thread took, not yet links
+        self._accepted_lock = threading.Lock()
+        self._wake_r, self._wake_w = connection.Pipe(duplex=False)  # wakes an idle turn for them
 
     def loop(self) -> None:
         try:
             self._turns()
         finally:
-            self.sender.close()  # what was handed over still goes, before the engine shuts down
+            for link in self.links:  # what was handed over still goes, before the engine shuts down
+                link.sender.close()
+            if self.listener is not None:
+                self.listener.close()
 
     def _turns(self) -> None:
         while True:
@@ -61,7 +87,7 @@ class _Worker:
                 return
             calls = self._receive(block=idle)
             if calls is None:
-                return  # the parent went away
+                return  # the first parent went away
             if calls:
                 self.stalled = False
             if not self._run_all(calls):
@@ -74,30 +100,42 @@ class _Worker:
                 return
 
     # -- commands ---------------------------------------------------------------------------------
-    def _receive(self, block: bool) -> list[Call] | None:
-        """Every batch of commands waiting (blocking for the first one when idle); None on EOF."""
-        calls: list[Call] = []
-        try:
-            if block:
-                self.conn.poll(None)
-            while self.conn.poll(0):
-                calls.extend(self.conn.recv())
-        except (EOFError, OSError):
-            return None
+    def _receive(self, block: bool) -> list[tuple[_Link, Call]] | None:
+        """Every batch of commands waiting on any link (blocking for the first one when idle); None
+        when the first parent has gone."""
+        self._adopt()
+        by_conn = {link.conn: link for link in self.links}
+        ready = connection.wait([*by_conn, self._wake_r], None if block else 0)
+        calls: list[tuple[_Link, Call]] = []
+        for conn in ready:
+            if conn is self._wake_r:
+                self._wake_r.recv()
+                continue
+            link = by_conn[conn]
+            try:
+                while conn.poll(0):
+                    calls += [(link, call) for call in conn.recv()]
+            except (EOFError, OSError):
+                if link.primary:
+                    return None
+                self._drop(link)
         return calls
 
-    def _run_all(self, calls: list[Call]) -> bool:
-        """Run the commands in order; False when one says to close."""
-        for call in calls:
+    def _run_all(self, calls: list[tuple[_Link, Call]]) -> bool:
+        """Run the commands in order; False when the first parent says to close."""
+        for link, call in calls:
             if call.method == CLOSE:
-                return False
-            self.update.replies.append(self._run(call))
+                if link.primary:
+                    return False
+                self._detach(link)
+                continue
+            link.update.replies.append(self._run(link, call))
         return True
 
-    def _run(self, call: Call) -> Reply:
+    def _run(self, link: _Link, call: Call) -> Reply:
         try:
             if call.method == ADD:
-                return Reply(call.id, True, self._add(*call.args))
+                return Reply(call.id, True, self._add(link, *call.args))
             if call.method == ABORT:
                 return Reply(call.id, True, self._abort(call.args[0]))
             if call.method == ABORT_ALL:
@@ -107,23 +145,29 @@ class _Worker:
             if call.method == CONTINUE:
                 self.paused = None
                 return Reply(call.id, True, None)
+            if call.method == LISTEN:
+                return Reply(call.id, True, self._listen())
         except BaseException as e:
             return error_reply(call.id, e)
         return handle_call(self.engine, call)  # RL methods and property reads, as EngineProcess runs them
 
-    def _add(self, rid: Hashable, input_ids: Any, params: Any, stream: bool) -> None:
+    def _add(self, link: _Link, rid: Hashable, input_ids: Any, params: Any, stream: bool) -> None:
         self.engine.add_request(rid, input_ids, params, stream=False)
         self.live[rid] = [0] * (1 if params is None else params.n) if stream else None
+        self.owner[rid] = link
 
     def _abort(self, rid: Hashable) -> bool:
+        """Abort a request, whichever parent added it (its output goes to that one)."""
         out = self.engine.abort_request(rid)
         self.live.pop(rid, None)
-        if out is not None:
-            self.update.finished.append(out)
+        link = self.owner.pop(rid, None)
+        if out is not None and link is not None:
+            link.update.finished.append(out)
         return out is not None
 
-    def _abort_all(self) -> int:
-        return sum(self._abort(rid) for rid in list(self.live))
+    def _abort_all(self, link: _Link | None = None) -> int:
+        """Abort every request in flight (with `link`, only those that parent added)."""
+        return sum(self._abort(rid) for rid in list(self.live) if link is None or self.owner[rid] is link)
 
     def _pause(self, mode: str) -> None:
         self.paused = mode
@@ -132,6 +176,54 @@ class _Worker:
         if mode in ("abort", "retract"):
             # nothing holds KV now: updates and releases may go through with requests queued
             self.engine.retract_requests()
+
+    # -- more parents -----------------------------------------------------------------------------
+    def _listen(self) -> tuple[str, bytes]:
+        """Accept more parents (ProcessAsyncEngine.attach) on a Unix socket of this host; returns its
+        address and key."""
+        if self.listener is None:
+            self.listener = connection.Listener(family="AF_UNIX", authkey=self._key)
+            facts = _facts(self.engine)  # read here, between steps, not in the accepting thread
+            accept = threading.Thread(target=self._accept_loop, args=(facts,), name="rollout-worker-accept")
+            accept.daemon = True
+            accept.start()
+        return self.listener.address, self._key
+
+    def _accept_loop(self, facts: dict) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):
+                return  # closed
+            except connection.AuthenticationError:
+                log.warning("a connection to the engine worker gave the wrong key")
+                continue
+            try:
+                conn.send(Reply(0, True, facts))
+            except OSError:
+                continue
+            with self._accepted_lock:
+                self._accepted.append(conn)
+            self._wake_w.send(None)
+
+    def _adopt(self) -> None:
+        with self._accepted_lock:
+            conns, self._accepted = self._accepted, []
+        self.links += [_Link(conn, primary=False) for conn in conns]
+
+    def _detach(self, link: _Link) -> None:
+        """A parent that closes: its requests end as aborted, it gets their outputs, the link goes."""
+        self._abort_all(link)
+        if link.sender.free(wait=True):
+            self._hand_over_to([link])
+        self._drop(link)
+
+    def _drop(self, link: _Link) -> None:
+        """Forget a parent (gone, or detached): abort what it still has in flight."""
+        self._abort_all(link)
+        self.links.remove(link)
+        link.sender.close()
+        link.conn.close()
 
     # -- steps ------------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -144,30 +236,41 @@ class _Worker:
             failed = [rid for rid in self.live if not self.engine.has_unfinished(rid)]
             for rid in failed:
                 del self.live[rid]
-            self.update.failed += failed
-            self.update.error = error_reply(0, e)
+                link = self.owner.pop(rid)
+                link.update.failed.append(rid)
+                link.update.error = error_reply(0, e)
             return
         for out in outs:
             self.live.pop(out.request_id, None)
-        self.update.finished += outs
+            self.owner.pop(out.request_id, self.links[0]).update.finished.append(out)
 
     def _hand_over(self, wait: bool) -> bool:
-        """Give the gathered update to the sender, with the tokens streamed requests gained since the
-        last one, once the sender is free (now, or after the send in progress with `wait`); otherwise
-        keep gathering. False when the parent has gone."""
-        if self.sender.broken:
+        """Give each parent's gathered update to its sender, once that is free (now, or after the send
+        in progress with `wait`); otherwise keep gathering. False when the first parent has gone."""
+        for link in self.links[1:]:
+            if link.sender.broken:
+                self._drop(link)
+        if self.links[0].sender.broken:
             return False
-        if not self.sender.free(wait):
-            return True
-        streamed = {rid: sent for rid, sent in self.live.items() if sent is not None}
+        self._hand_over_to([link for link in self.links if link.sender.free(wait)])
+        return not self.links[0].sender.broken
+
+    def _hand_over_to(self, links: list[_Link]) -> None:
+        """Hand `links` (their senders free) their updates, with the tokens their streamed requests
+        gained since the last one."""
+        if not links:
+            return
+        streamed = {
+            rid: sent for rid, sent in self.live.items() if sent is not None and self.owner[rid] in links
+        }
         if streamed:
             for d in self.engine.token_deltas(streamed):
                 streamed[d.request_id][d.sample] += len(d.token_ids)
-                self.update.tokens.append(d)
-        if self.update:
-            update, self.update = self.update, Update()
-            self.sender.put(update)
-        return not self.sender.broken
+                self.owner[d.request_id].update.tokens.append(d)
+        for link in links:
+            if link.update:
+                update, link.update = link.update, Update()
+                link.sender.put(update)
 
 
 class _Sender:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import multiprocessing as mp
+import os
 import pickle
 import weakref
 from collections.abc import Callable
@@ -279,6 +280,7 @@ def serve_child(conn: Any, model: str, options: dict, loop: Callable[[Any, Any],
 
 def _facts(engine: Any) -> dict:
     return {
+        "pid": os.getpid(),
         "device": str(engine.device),
         "dtype": str(engine.dtype),
         "model_path": str(engine.config.model),

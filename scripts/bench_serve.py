@@ -25,8 +25,8 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
-import socket
 import sys
 import threading
 import time
@@ -61,24 +61,52 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int]) -> flo
     return sum(len(o.outputs[0].token_ids) for o in done) / seconds
 
 
-def serve(front: object) -> tuple[str, object]:
-    """The app over `front` (an AsyncEngine or a ProcessAsyncEngine), served by uvicorn in a thread."""
+def serve(front: object, api_servers: int = 1) -> tuple[str, object, list]:
+    """The app over `front` (an AsyncEngine or a ProcessAsyncEngine), served by uvicorn in a thread, and
+    with api_servers > 1 by that many server processes in all over the same engine process and socket
+    (`python -m rollout.serve --api-server-count N`). Returns the URL, the server and the other
+    processes."""
     import uvicorn
 
     from rollout.serve import build_app
+    from rollout.serve import processes as P
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sock = P.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    fronts = []
+    if api_servers > 1:
+        settings = P.ServeSettings("bench", None, None, 30.0)
+        fronts = P.start_fronts(api_servers - 1, *front.listen(), sock, settings)
     app = build_app(front, model_name="bench")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", backlog=4096))
-    threading.Thread(target=server.run, daemon=True).start()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", backlog=4096))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     # uvicorn's "auto" picks httptools and uvloop when installed (the serve extra): say which it took
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     print(f"uvicorn: {server.config.http_protocol_class.__name__}, event loop from {loop}", flush=True)
-    return f"http://127.0.0.1:{port}", server
+    print(f"server processes: {api_servers}", flush=True)
+    return f"http://127.0.0.1:{port}", server, fronts
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of other processes so far (Linux /proc)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def stop(server: object, fronts: list) -> None:
+    import signal
+
+    from rollout.serve import processes as P
+
+    for p in fronts:
+        os.kill(p.pid, signal.SIGTERM)
+    P.stop_fronts(fronts, 60)
+    server.should_exit = True
 
 
 async def run_clients(
@@ -165,7 +193,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
     found = {"engine_generate_tok_s": run_engine(engine, prompts, outs)}
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
-        url, server = serve(AsyncEngine.from_engine(engine))
+        url, server, _ = serve(AsyncEngine.from_engine(engine))
         found["thread_stream_tok_s"] = run_clients_elsewhere(
             url, prompts, outs, args.clients, args.endpoint, args.client_procs
         )
@@ -176,10 +204,19 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
 def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
     front = ProcessAsyncEngine(folder, **engine_options(args))
-    url, server = serve(front)
+    url, server, fronts = serve(front, args.api_servers)
+    pids = [p.pid for p in fronts]
+    cpu0, wall0 = time.process_time() + cpu_seconds(pids), time.perf_counter()
     served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
-    server.should_exit = True  # its lifespan shuts the engine process down
-    result.put({"process_stream_tok_s": served})
+    # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
+    # the cost of serving a token, whatever the device; near 1 s a second each, they are the limit
+    cpu, wall = time.process_time() + cpu_seconds(pids) - cpu0, time.perf_counter() - wall0
+    stop(server, fronts)  # the first server's lifespan shuts the engine process down
+    result.put({
+        "process_stream_tok_s": served,
+        "server_cpu_us_per_token": cpu / sum(outs) * 1e6,
+        "server_cpu_s_per_s": cpu / wall / args.api_servers,
+    })  # fmt: skip
 
 
 def in_own_process(phase, *args) -> dict:
@@ -237,6 +274,9 @@ def main() -> None:
     ap.add_argument(
         "--client-procs", type=int, default=1, help="client processes sharing the --clients streams"
     )
+    ap.add_argument(
+        "--api-servers", type=int, default=1, help="server processes over the engine (process mode)"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.model == "tiny":
@@ -254,6 +294,7 @@ def main() -> None:
         "requests": args.requests,
         "clients": args.clients,
         "client_procs": args.client_procs,
+        "api_servers": args.api_servers,
         "endpoint": args.endpoint,
     }
     result |= in_own_process(thread_phase, folder, args, prompts, outs)
@@ -266,7 +307,10 @@ def main() -> None:
             ratio = served / direct
             result[f"{mode}_ratio"] = round(ratio, 3)
             print(f"{mode} server / Engine.generate output tok/s: {served:.0f} / {direct:.0f} = {ratio:.3f}")
-    result = {k: round(v, 1) if k.endswith("tok_s") else v for k, v in result.items()}
+    if "server_cpu_us_per_token" in result:
+        print(f"server process CPU: {result['server_cpu_us_per_token']:.1f} us a token, "
+              f"{result['server_cpu_s_per_s']:.2f} s a second per server process")  # fmt: skip
+    result = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

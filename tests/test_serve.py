@@ -292,3 +292,84 @@ def test_sigterm_exits_zero_with_requests_in_flight(chat_dir, mode):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_two_api_server_processes_serve_one_engine_and_exit_zero(chat_dir, ref):
+    """--api-server-count 2: a second server process attaches to the engine process; streams and plain
+    requests through either are answered right, an abort reaches the engine from either, and SIGTERM
+    drains both, shuts the engine down and exits 0 with no child left."""
+    import openai
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "rollout.serve", "--model", chat_dir, "--port", str(port), "--device", "cpu"]
+    cmd += ["--api-server-count", "2", "--max-total-tokens", "8192", "--page-size", "4", "--api-key", KEY]
+    proc = subprocess.Popen(cmd + ["--graceful-shutdown-s", "5"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):  # the first server serves once the second one has attached
+            assert proc.poll() is None and time.monotonic() < deadline, "the servers did not start"
+            time.sleep(0.2)
+        children = _children(proc.pid)
+        spawned = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(spawned) == 2  # the engine worker and the second server
+        prompts = [[3 + i % 7, 4 + i % 5, 5] for i in range(48)]
+        want = {tuple(p): _greedy(ref, p, 6).token_ids for p in {tuple(p) for p in prompts}}
+
+        async def run():
+            oc = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+            body = dict(model="tiny", max_tokens=6, temperature=0)
+            body["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
+
+            async def streamed(p):
+                ids = []
+                async for chunk in await oc.completions.create(prompt=p, stream=True, **body):
+                    ids += chunk.choices[0].token_ids or []
+                return ids
+
+            async def plain(p):
+                out = await oc.completions.create(prompt=p, **body)
+                return out.choices[0].token_ids
+
+            calls = [streamed(p) if i % 2 else plain(p) for i, p in enumerate(prompts)]
+            return await asyncio.wait_for(asyncio.gather(*calls), 240)
+
+        assert asyncio.run(run()) == [want[tuple(p)] for p in prompts]
+        headers = {"Authorization": f"Bearer {KEY}"}
+        sp = {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True}
+        result: dict = {}
+
+        def post(path, body):
+            return httpx.post(url + path, json=body, headers=headers, timeout=120)
+
+        assert post("/pause_generation", {"mode": "in_place"}).json()["success"]  # "long" cannot finish
+        t = threading.Thread(
+            target=lambda: result.update(
+                r=post("/generate", {"input_ids": [5], "sampling_params": sp, "rid": "long"})
+            )
+        )
+        t.start()
+        deadline = time.monotonic() + 60
+        while not post("/abort_request", {"rid": "long"}).json()["success"]:  # whichever server takes it
+            assert time.monotonic() < deadline, "the abort never found the request"
+            time.sleep(0.05)
+        t.join(60)
+        assert post("/continue_generation", {}).json()["success"]
+        assert result["r"].status_code == 200, result["r"].text
+        assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{c}").exists() for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{c}").exists() for c in children)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -3,6 +3,7 @@
 Engine options are EngineConfig's fields as flags (--max-total-tokens 4096, --no-cuda-graph, ...).
 The engine runs in a child process (ProcessAsyncEngine) so the HTTP work never holds up its step loop;
 --engine-mode thread keeps it in a thread of the server's process (AsyncEngine).
+--api-server-count N runs N server processes over the one engine process (rollout/serve/processes.py).
 SIGTERM or Ctrl-C: stop accepting, let the open requests finish (or abort them after
 --graceful-shutdown-s), shut the engine down, exit 0.
 """
@@ -10,16 +11,14 @@ SIGTERM or Ctrl-C: stop accepting, let the open requests finish (or abort them a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import logging
-import signal
 import typing
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from rollout.config import EngineConfig
+
+log = logging.getLogger("rollout")
 
 
 def _engine_flags(ap: argparse.ArgumentParser) -> list[str]:
@@ -55,8 +54,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         default="process",
         help="the step loop in a child process (default) or in a thread of the server's process",
     )
+    ap.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="HTTP server processes over the one engine process (the HTTP and JSON work of many streams "
+        "spread over cores); --max-queued-requests is shared out among them",
+    )
     names = _engine_flags(ap)
     args = ap.parse_args(argv)
+    if args.api_server_count < 1:
+        ap.error(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.engine_mode != "process":
+        ap.error("--api-server-count > 1 needs --engine-mode process (the servers attach to its process)")
     options = {
         n: getattr(args, n) for n in names if getattr(args, n) != EngineConfig.__dataclass_fields__[n].default
     }
@@ -64,46 +74,42 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
+    import math
+    import os
+    import signal
 
     from rollout.async_engine import AsyncEngine
     from rollout.async_process import ProcessAsyncEngine
+    from rollout.serve import processes as P
     from rollout.serve.app import build_app
     from rollout.toy import default_model_dir
 
     args, options = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model or str(default_model_dir())
-    kind = ProcessAsyncEngine if args.engine_mode == "process" else AsyncEngine
-    engine = kind(model, max_queued_requests=args.max_queued_requests, **options)
-    app = build_app(engine, model_name=args.served_model_name or Path(model).name, api_key=args.api_key)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=args.graceful_shutdown_s,
-        backlog=4096,
-        limit_concurrency=None,
+    count = args.api_server_count
+    settings = P.ServeSettings(
+        model_name=args.served_model_name or Path(model).name,
+        api_key=args.api_key,
+        max_queued_requests=math.ceil(args.max_queued_requests / count),
+        graceful_shutdown_s=args.graceful_shutdown_s,
     )
-    _server_class(uvicorn)(config).run()  # SIGTERM/SIGINT: stop accepting, drain, shut the engine down
+    sock = P.bind(args.host, args.port)  # before the engine starts: a port in use fails at once
+    kind = ProcessAsyncEngine if args.engine_mode == "process" else AsyncEngine
+    engine = kind(model, max_queued_requests=settings.max_queued_requests, **options)
+    fronts = P.start_fronts(count - 1, *engine.listen(), sock, settings) if count > 1 else []
 
+    def stop_fronts() -> None:
+        P.stop_fronts(fronts, args.graceful_shutdown_s + P.STOP_GRACE_S)
 
-def _server_class(uvicorn: Any) -> type:
-    class Server(uvicorn.Server):
-        """uvicorn re-raises a captured SIGTERM after its graceful shutdown, so the process dies of the
-        signal; the shutdown was clean, so take the signals here and return (exit status 0)."""
+    def pass_on(sig: int) -> None:  # the other servers drain while this one does
+        for p in fronts:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
 
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-
-    return Server
+    app = build_app(engine, model_name=settings.model_name, api_key=args.api_key, before_shutdown=stop_fronts)
+    log.info("serving %s on http://%s:%d (%d server processes)", model, args.host, args.port, count)
+    P.run_app(app, settings, [sock], on_exit=pass_on)  # SIGTERM/SIGINT: stop, drain, shut the engine down
 
 
 if __name__ == "__main__":

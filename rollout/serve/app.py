@@ -7,6 +7,7 @@ Bad input is a 400 naming the field; a full queue is a 503; the server keeps ser
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import pickle
@@ -27,12 +28,21 @@ from rollout.serve import protocol as P
 from rollout.stream_deltas import join
 
 
-def build_app(engine: AsyncFront, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over `engine`; it shuts the engine down when the server stops."""
+def build_app(
+    engine: AsyncFront,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    before_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app over `engine`; it shuts the engine down when the server stops, after `before_shutdown`
+    (run in a thread: the other server processes over the engine stop first)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        if before_shutdown is not None:
+            await asyncio.get_running_loop().run_in_executor(None, before_shutdown)
         await engine.shutdown()  # aborts what is still in flight
 
     app = FastAPI(lifespan=lifespan, title="rollout")
@@ -164,8 +174,6 @@ def _prompt_list(prompt: Any) -> list[dict[str, Any]]:
 async def _gather(
     engine: AsyncFront, prompts: list[dict], params: SamplingParams, rid: str
 ) -> list[RequestOutput]:
-    import asyncio
-
     calls = [
         engine.generate(sampling_params=params, request_id=f"{rid}-{i}", **p) for i, p in enumerate(prompts)
     ]
@@ -305,8 +313,6 @@ def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
                 raise ValueError("stream: streams one prompt at a time; send a batch without stream")
             return _sse(_stream_generate(engine, prompts[0], params, rids[0], req.return_logprob))
         calls = [engine.generate(sampling_params=params, request_id=r, **p) for r, p in zip(rids, prompts)]
-        import asyncio
-
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):

@@ -1,0 +1,164 @@
+"""Running the app under uvicorn, in one process or in several over one engine.
+
+One server process does the HTTP work (parsing, JSON, SSE framing) of every client in one interpreter,
+and under hundreds of streams that work, not the device, sets the pace. With --api-server-count N (the
+name vLLM uses), the first process starts the engine process and lets the others attach to it
+(ProcessAsyncEngine.listen / attach); all N serve one listening socket, which the kernel shares out
+among them. Each process streams the requests it accepted; control endpoints (abort, pause, weights,
+memory) act on the one engine from any of them.
+
+SIGTERM or Ctrl-C to the first process: it passes the signal on, every process stops accepting and
+drains (up to --graceful-shutdown-s), the others detach, then the engine shuts down and all exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing import connection
+from typing import Any
+
+log = logging.getLogger("rollout")
+
+STOP_GRACE_S = 30.0  # past the graceful drain, how long a server process may take to exit
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What every server process needs besides its engine."""
+
+    model_name: str
+    api_key: str | None
+    max_queued_requests: int | None  # per server process
+    graceful_shutdown_s: float
+
+
+def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """The listening socket every server process accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+def run_app(
+    app: Any, settings: ServeSettings, sockets: list[socket.socket], on_exit: Any = None, on_start: Any = None
+) -> None:
+    """Serve `app` on `sockets` until SIGTERM / SIGINT (`on_exit`: called with the signal first;
+    `on_start`: called with the uvicorn server before it starts)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        backlog=4096,
+        limit_concurrency=None,
+    )
+    server = _server_class(uvicorn, on_exit)(config)
+    if on_start is not None:
+        on_start(server)
+    server.run(sockets=sockets)
+
+
+def start_fronts(
+    count: int, address: str, key: bytes, sock: socket.socket, settings: ServeSettings, timeout: float = 600.0
+) -> list:
+    """`count` more server processes over the engine at `address`, serving `sock`; returns once each
+    has attached (a process that fails first fails the start, the others are stopped)."""
+    ctx = mp.get_context("spawn")
+    procs, waiting = [], {}
+    for i in range(count):
+        ready, tell = ctx.Pipe(duplex=False)  # a pipe, not a semaphore: no resource-tracker process
+        proc = ctx.Process(
+            target=_front, args=(address, key, sock, settings, tell), name=f"rollout-api-server-{i + 1}"
+        )
+        proc.start()
+        tell.close()
+        procs.append(proc)
+        waiting[ready] = proc
+    deadline = time.monotonic() + timeout
+    try:
+        while waiting:
+            for ready in connection.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    ready.recv()
+                except EOFError:  # it exited before attaching
+                    raise RuntimeError(f"{waiting[ready].name} did not start") from None
+                del waiting[ready]
+            if waiting and time.monotonic() > deadline:
+                raise RuntimeError(f"{len(waiting)} server processes did not start within {timeout:g}s")
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.join()
+        raise
+    return procs
+
+
+def stop_fronts(procs: list, timeout: float) -> None:
+    """Wait for the other server processes to drain and exit (they got the signal too), then make
+    sure none is left."""
+    from rollout.process import reap
+
+    for p in procs:
+        if p.is_alive():
+            p.join(timeout)
+        reap(p, 1.0)
+        if p.exitcode != 0:
+            log.warning("%s exited with status %s", p.name, p.exitcode)
+
+
+def _front(address: str, key: bytes, sock: socket.socket, settings: ServeSettings, tell: Any) -> None:
+    """A spawned server process: attach to the engine, serve until told to stop, detach."""
+    from rollout.async_process import ProcessAsyncEngine
+    from rollout.serve.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = ProcessAsyncEngine.attach(address, key, max_queued_requests=settings.max_queued_requests)
+    app = build_app(engine, model_name=settings.model_name, api_key=settings.api_key)
+    tell.send(True)
+    tell.close()
+    run_app(app, settings, [sock], on_start=lambda server: _stop_with_engine(engine, server))
+
+
+def _stop_with_engine(engine: Any, server: Any) -> None:
+    """Stop serving once the engine is gone (the first server process was killed and its engine
+    process with it): a server left without an engine must not keep taking connections."""
+
+    def watch() -> None:
+        engine.wait_closed()
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="rollout-engine-watch", daemon=True).start()
+
+
+def _server_class(uvicorn: Any, on_exit: Any) -> type:
+    class Server(uvicorn.Server):
+        """uvicorn re-raises a captured SIGTERM after its graceful shutdown, so the process dies of the
+        signal; the shutdown was clean, so take the signals here and return (exit status 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if on_exit is not None:
+                on_exit(sig)
+            super().handle_exit(sig, frame)
+
+    return Server
