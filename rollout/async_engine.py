@@ -95,18 +95,28 @@ class AsyncEngine(AsyncFront):
     """An Engine whose step loop runs in a background thread; see the module docstring.
     ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process."""
 
-    def __init__(self, model: str | Path, *, max_queued_requests: int | None = None, **engine_options: Any):
-        self._start(Engine(model, **engine_options), owns_engine=True, max_queued=max_queued_requests)
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        max_queued_requests: int | None = None,
+        stream_interval: int = 1,
+        **engine_options: Any,
+    ):
+        self._init_front(max_queued_requests, stream_interval)
+        self._start(Engine(model, **engine_options), owns_engine=True)
 
     @classmethod
-    def from_engine(cls, engine: Engine, *, max_queued_requests: int | None = None) -> AsyncEngine:
+    def from_engine(
+        cls, engine: Engine, *, max_queued_requests: int | None = None, stream_interval: int = 1
+    ) -> AsyncEngine:
         """Drive an existing Engine (nothing else may call its request methods while this runs)."""
         self = cls.__new__(cls)
-        self._start(engine, owns_engine=False, max_queued=max_queued_requests)
+        self._init_front(max_queued_requests, stream_interval)
+        self._start(engine, owns_engine=False)
         return self
 
-    def _start(self, engine: Engine, *, owns_engine: bool, max_queued: int | None) -> None:
-        self._init_front(max_queued)
+    def _start(self, engine: Engine, *, owns_engine: bool) -> None:
         self.engine, self._owns_engine = engine, owns_engine
         self.tokenizer = engine.tokenizer
         self.model_path, self.tp_rank = str(engine.config.model), engine.tp.rank

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 from rollout.api import STEP_LOOP_METHODS
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
+from rollout.stream_deltas import merge
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -45,10 +46,13 @@ class AsyncFront(abc.ABC):
     model_path: str  # the checkpoint folder
     tp_rank: int  # this engine's rank in its tensor-parallel group
 
-    def _init_front(self, max_queued: int | None) -> None:
+    def _init_front(self, max_queued: int | None, stream_interval: int = 1) -> None:
         if max_queued is not None and max_queued < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued}")
+        if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an int >= 1, got {stream_interval!r}")
         self.max_queued_requests = max_queued
+        self.stream_interval = stream_interval
         self._count_lock = threading.Lock()
         self._in_flight = 0  # requests submitted and not yet ended, counted on the callers' side
         self._paused: PauseMode | None = None
@@ -91,7 +95,9 @@ class AsyncFront(abc.ABC):
     ) -> AsyncIterator[RequestOutput]:
         """Yield one prompt's outputs as they come: each holds the tokens, logprobs, weight versions
         and text added since the previous one (the deltas that queued up while the caller was busy
-        come as one); the last has `finished=True` and the finish reasons."""
+        come as one); the last has `finished=True` and the finish reasons. With `stream_interval` N
+        (SGLang's and vLLM's --stream-interval) the first output comes at once, then one each N
+        tokens of a sample, then the last."""
         async for out in self._submit(prompts, sampling_params, input_ids, request_id, stream=True):
             yield out
 
@@ -109,9 +115,10 @@ class AsyncFront(abc.ABC):
         rid = uuid.uuid4().hex if request_id is None else request_id
         self._reserve()
         added = finished = False
+        held: RequestOutput | None = None  # deltas kept back until stream_interval tokens
         try:
             ch = await self._open(rid, prompt, input_ids, params, stream)
-            queue, added = ch.queue, True
+            queue, added, first = ch.queue, True, True
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
@@ -119,8 +126,12 @@ class AsyncFront(abc.ABC):
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                out = ch.join(items)
+                out = ch.join(items) if held is None else merge([held, ch.join(items)])
                 finished = out.finished
+                if not (first or finished) and _new_tokens(out) < self.stream_interval:
+                    held = out
+                    continue
+                held, first = None, False
                 yield out
         finally:
             self._release()
@@ -165,3 +176,8 @@ class AsyncFront(abc.ABC):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.shutdown()
+
+
+def _new_tokens(out: RequestOutput) -> int:
+    """The most tokens a sample of a delta holds."""
+    return max((len(c.token_ids) for c in out.outputs), default=0)

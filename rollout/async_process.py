@@ -93,10 +93,11 @@ class ProcessAsyncEngine(AsyncFront):
         model: str | Path,
         *,
         max_queued_requests: int | None = None,
+        stream_interval: int = 1,
         start_timeout: float = 900.0,
         **engine_options: Any,
     ):
-        self._init_front(max_queued_requests)
+        self._init_front(max_queued_requests, stream_interval)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -111,7 +112,13 @@ class ProcessAsyncEngine(AsyncFront):
 
     @classmethod
     def attach(
-        cls, address: str, authkey: bytes, *, max_queued_requests: int | None = None, timeout: float = 60.0
+        cls,
+        address: str,
+        authkey: bytes,
+        *,
+        max_queued_requests: int | None = None,
+        stream_interval: int = 1,
+        timeout: float = 60.0,
     ) -> ProcessAsyncEngine:
         """Another front over the engine process of a ProcessAsyncEngine that called `listen` (from
         any process of this host; `python -m rollout.serve --api-server-count N` runs N such fronts).
@@ -121,7 +128,7 @@ class ProcessAsyncEngine(AsyncFront):
         from multiprocessing.connection import Client
 
         self = cls.__new__(cls)
-        self._init_front(max_queued_requests)
+        self._init_front(max_queued_requests, stream_interval)
         self._conn, self._proc = Client(address, family="AF_UNIX", authkey=authkey), None
         self._finalizer = weakref.finalize(self, _detach, self._conn)
         self._facts = self._wait_started(timeout)

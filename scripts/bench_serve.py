@@ -75,7 +75,7 @@ def serve(front: object, api_servers: int = 1) -> tuple[str, object, list]:
     port = sock.getsockname()[1]
     fronts = []
     if api_servers > 1:
-        settings = P.ServeSettings("bench", None, None, 30.0)
+        settings = P.ServeSettings("bench", None, None, 30.0, front.stream_interval)
         fronts = P.start_fronts(api_servers - 1, *front.listen(), sock, settings)
     app = build_app(front, model_name="bench")
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", backlog=4096))
@@ -193,7 +193,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
     found = {"engine_generate_tok_s": run_engine(engine, prompts, outs)}
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
-        url, server, _ = serve(AsyncEngine.from_engine(engine))
+        url, server, _ = serve(AsyncEngine.from_engine(engine, stream_interval=args.stream_interval))
         found["thread_stream_tok_s"] = run_clients_elsewhere(
             url, prompts, outs, args.clients, args.endpoint, args.client_procs
         )
@@ -203,7 +203,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
 
 def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
-    front = ProcessAsyncEngine(folder, **engine_options(args))
+    front = ProcessAsyncEngine(folder, stream_interval=args.stream_interval, **engine_options(args))
     url, server, fronts = serve(front, args.api_servers)
     pids = [p.pid for p in fronts]
     cpu0, wall0 = time.process_time() + cpu_seconds(pids), time.perf_counter()
@@ -277,6 +277,7 @@ def main() -> None:
     ap.add_argument(
         "--api-servers", type=int, default=1, help="server processes over the engine (process mode)"
     )
+    ap.add_argument("--stream-interval", type=int, default=1, help="the servers' chunk each N tokens")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.model == "tiny":
@@ -295,6 +296,7 @@ def main() -> None:
         "clients": args.clients,
         "client_procs": args.client_procs,
         "api_servers": args.api_servers,
+        "stream_interval": args.stream_interval,
         "endpoint": args.endpoint,
     }
     result |= in_own_process(thread_phase, folder, args, prompts, outs)

@@ -95,6 +95,31 @@ def test_stream_deltas_add_up_and_carry_weight_versions(engine, aengine):
     assert sum((o.outputs[0].weight_versions for o in outs), []) == [v] * len(whole.token_ids)
 
 
+def test_stream_interval_sends_the_first_at_once_then_every_n_tokens(engine, aengine, qwen3_dir):
+    params = replace(GREEDY, max_new_tokens=23, n=2, temperature=0.8, seed=7)
+    whole = engine.generate(input_ids=[PROMPTS[3]], sampling_params=params)[0]
+
+    async def run():
+        return [o async for o in aengine.stream(input_ids=PROMPTS[3], sampling_params=params)]
+
+    aengine.stream_interval = 5
+    try:
+        outs = asyncio.run(run())
+    finally:
+        aengine.stream_interval = 1
+    assert outs[-1].finished and len(outs) >= 3
+    for o in outs[1:-1]:  # held back until a sample has 5 new tokens
+        assert max(len(c.token_ids) for c in o.outputs) >= 5
+    for c in whole.outputs:
+        got = [d for o in outs for d in o.outputs if d.index == c.index]
+        assert sum((d.token_ids for d in got), []) == c.token_ids
+        assert "".join(d.text for d in got) == c.text
+        assert sum((d.logprobs for d in got), []) == pytest.approx(c.logprobs, abs=1e-5)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            AsyncEngine.from_engine(engine, stream_interval=bad)
+
+
 async def _wait_tokens(ae: AsyncEngine, stream, at_least: int) -> list:
     got = []
     async for out in stream:

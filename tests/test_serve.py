@@ -295,14 +295,15 @@ def test_sigterm_exits_zero_with_requests_in_flight(chat_dir, mode):
 
 
 def test_two_api_server_processes_serve_one_engine_and_exit_zero(chat_dir, ref):
-    """--api-server-count 2: a second server process attaches to the engine process; streams and plain
-    requests through either are answered right, an abort reaches the engine from either, and SIGTERM
-    drains both, shuts the engine down and exits 0 with no child left."""
+    """--api-server-count 2: a second server process attaches to the engine process; streams (a chunk
+    each 3 tokens) and plain requests through either are answered right, an abort reaches the engine
+    from either, and SIGTERM drains both, shuts the engine down and exits 0 with no child left."""
     import openai
 
     port = _free_port()
     cmd = [sys.executable, "-m", "rollout.serve", "--model", chat_dir, "--port", str(port), "--device", "cpu"]
     cmd += ["--api-server-count", "2", "--max-total-tokens", "8192", "--page-size", "4", "--api-key", KEY]
+    cmd += ["--stream-interval", "3"]
     proc = subprocess.Popen(cmd + ["--graceful-shutdown-s", "5"])
     url = f"http://127.0.0.1:{port}"
     try:
@@ -322,9 +323,11 @@ def test_two_api_server_processes_serve_one_engine_and_exit_zero(chat_dir, ref):
             body["extra_body"] = {"ignore_eos": True, "return_token_ids": True}
 
             async def streamed(p):
-                ids = []
+                ids, chunks = [], 0
                 async for chunk in await oc.completions.create(prompt=p, stream=True, **body):
                     ids += chunk.choices[0].token_ids or []
+                    chunks += bool(chunk.choices[0].token_ids)
+                assert chunks <= 3  # --stream-interval 3: the first token, then 3 or more, then the rest
                 return ids
 
             async def plain(p):

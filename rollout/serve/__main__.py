@@ -61,8 +61,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         help="HTTP server processes over the one engine process (the HTTP and JSON work of many streams "
         "spread over cores); --max-queued-requests is shared out among them",
     )
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream a chunk each N tokens (the first at once): less HTTP and JSON work per token",
+    )
     names = _engine_flags(ap)
     args = ap.parse_args(argv)
+    if args.stream_interval < 1:
+        ap.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.api_server_count < 1:
         ap.error(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if args.api_server_count > 1 and args.engine_mode != "process":
@@ -93,10 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key,
         max_queued_requests=math.ceil(args.max_queued_requests / count),
         graceful_shutdown_s=args.graceful_shutdown_s,
+        stream_interval=args.stream_interval,
     )
     sock = P.bind(args.host, args.port)  # before the engine starts: a port in use fails at once
     kind = ProcessAsyncEngine if args.engine_mode == "process" else AsyncEngine
-    engine = kind(model, max_queued_requests=settings.max_queued_requests, **options)
+    limits = dict(max_queued_requests=settings.max_queued_requests, stream_interval=args.stream_interval)
+    engine = kind(model, **limits, **options)
     fronts = P.start_fronts(count - 1, *engine.listen(), sock, settings) if count > 1 else []
 
     def stop_fronts() -> None:

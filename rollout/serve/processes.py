@@ -38,6 +38,7 @@ class ServeSettings:
     api_key: str | None
     max_queued_requests: int | None  # per server process
     graceful_shutdown_s: float
+    stream_interval: int = 1
 
 
 def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
@@ -124,7 +125,8 @@ def _front(address: str, key: bytes, sock: socket.socket, settings: ServeSetting
     from rollout.serve.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = ProcessAsyncEngine.attach(address, key, max_queued_requests=settings.max_queued_requests)
+    limits = dict(max_queued_requests=settings.max_queued_requests, stream_interval=settings.stream_interval)
+    engine = ProcessAsyncEngine.attach(address, key, **limits)
     app = build_app(engine, model_name=settings.model_name, api_key=settings.api_key)
     tell.send(True)
     tell.close()
