@@ -62,7 +62,8 @@ class AsyncFront(abc.ABC):
     # -- facts ------------------------------------------------------------------------------------
     @property
     def paused(self) -> PauseMode | None:
-        """The pause mode in effect, or None while generating."""
+        """The pause mode this front set, or None while generating (with several fronts over one
+        engine process, another may have paused it: the engine's state is the worker's)."""
         return self._paused
 
     @property
