@@ -58,6 +58,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int]) -> flo
     t0 = time.perf_counter()
     done = engine.generate(input_ids=prompts, sampling_params=[params(n) for n in outs], use_tqdm=False)
     seconds = time.perf_counter() - t0
+    print(f"Engine.generate: {seconds:.3f} s", flush=True)
     return sum(len(o.outputs[0].token_ids) for o in done) / seconds
 
 
@@ -130,7 +131,7 @@ async def run_clients(
             body = {"input_ids": ids, "sampling_params": sp, "stream": True}
         async with gate, ac.stream("POST", path, json=body) as r:
             r.raise_for_status()
-            count = 0
+            count, first = 0, None
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -139,18 +140,19 @@ async def run_clients(
                     count += len(chunk["choices"][0]["token_ids"])
                 else:
                     count = chunk["meta_info"]["completion_tokens"]
-            return count
+                first = first or (time.monotonic() if count else None)
+            return count, first, time.monotonic()
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
         await one(ac, prompts[0], 8)  # warm-up
         if start is not None:
             start.wait()
         t0 = time.monotonic()
-        counts = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
+        done = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
         t1 = time.monotonic()
-    if counts != outs:
+    if [d[0] for d in done] != outs:
         raise RuntimeError("a streamed request came back short")
-    return sum(counts), t0, t1
+    return sum(outs), t0, t1, [d[1] for d in done], [d[2] for d in done]
 
 
 def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, start, result) -> None:
@@ -179,8 +181,13 @@ def run_clients_elsewhere(
     finally:
         for w in workers:
             w.join(10)
-    tokens = sum(f[0] for f in found)
-    return tokens / (max(f[2] for f in found) - min(f[1] for f in found))
+    tokens, start = sum(f[0] for f in found), min(f[1] for f in found)
+    firsts = sorted(t - start for f in found for t in f[3])
+    ends = sorted(t - start for f in found for t in f[4])
+    # when the requests got going and ended, from the first start (monotonic clock, shared by the host)
+    print(f"first tokens: median {firsts[len(firsts) // 2]:.3f} s, last {firsts[-1]:.3f} s; "
+          f"ends: median {ends[len(ends) // 2]:.3f} s, last {ends[-1]:.3f} s", flush=True)  # fmt: skip
+    return tokens / (max(f[2] for f in found) - start)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -206,11 +213,12 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
     front = ProcessAsyncEngine(folder, stream_interval=args.stream_interval, **engine_options(args))
     url, server, fronts = serve(front, args.api_servers)
     pids = [p.pid for p in fronts]
-    cpu0, wall0 = time.process_time() + cpu_seconds(pids), time.perf_counter()
+    cpu0 = time.process_time() + cpu_seconds(pids)
     served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
     # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
-    # the cost of serving a token, whatever the device; near 1 s a second each, they are the limit
-    cpu, wall = time.process_time() + cpu_seconds(pids) - cpu0, time.perf_counter() - wall0
+    # the cost of serving a token, whatever the device; near 1 s a second each (over the streams' span,
+    # the clients' start-up left out), they are the limit
+    cpu, wall = time.process_time() + cpu_seconds(pids) - cpu0, sum(outs) / served
     stop(server, fronts)  # the first server's lifespan shuts the engine process down
     result.put({
         "process_stream_tok_s": served,

@@ -382,8 +382,8 @@ def _healthy(url: str) -> bool:
 def test_gpu_server_with_graphs_and_the_memory_saver(chat_dir):
     """`python -m rollout.serve` on CUDA with graphs and the memory saver, two server processes: 64
     concurrent streams are all answered whole and (float32) agree with Engine.generate's greedy tokens;
-    a release of every tag and a resume through the HTTP endpoints leave a batch-1 request's tokens
-    unchanged; SIGTERM exits 0."""
+    releasing every tag, waking the weights, loading them from disk and waking the rest, all over HTTP,
+    leave a batch-1 request's tokens unchanged; SIGTERM exits 0."""
     pytest.importorskip("torch_memory_saver")
     import openai
     import torch
@@ -434,9 +434,13 @@ def test_gpu_server_with_graphs_and_the_memory_saver(chat_dir):
             return httpx.post(url + "/generate", json=body, timeout=120).json()["output_ids"]
 
         before = one_request()
-        for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-            r = httpx.post(url + path, json={}, timeout=120)
-            assert r.status_code == 200 and r.json()["success"], r.text
+        # the colocated RL cycle: release everything, wake the weights, load them anew, wake the rest
+        steps = [("/release_memory_occupation", {}), ("/resume_memory_occupation", {"tags": ["weights"]})]
+        steps += [("/update_weights_from_disk", {"model_path": chat_dir})]
+        steps += [("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})]
+        for path, body in steps:
+            r = httpx.post(url + path, json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["success"], (path, r.text)
         assert one_request() == before
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
