@@ -67,6 +67,7 @@ class _Worker:
         self.stalled = False  # the last step raised with requests left in flight: wait for a command
         self.listener: connection.Listener | None = None
         self._key = os.urandom(32)  # what an attaching parent must know
+        self._closing = False  # the listener is being closed: its accept errors end the accepting
         self._accepted: list[Any] = []  # connections the accepting thread took, not yet links
         self._accepted_lock = threading.Lock()
         self._wake_r, self._wake_w = connection.Pipe(duplex=False)  # wakes an idle turn for them
@@ -78,6 +79,7 @@ class _Worker:
             for link in self.links:  # what was handed over still goes, before the engine shuts down
                 link.sender.close()
             if self.listener is not None:
+                self._closing = True
                 self.listener.close()
 
     def _turns(self) -> None:
@@ -193,10 +195,11 @@ class _Worker:
         while True:
             try:
                 conn = self.listener.accept()
-            except (OSError, EOFError):
-                return  # closed
-            except connection.AuthenticationError:
-                log.warning("a connection to the engine worker gave the wrong key")
+            except (OSError, EOFError, connection.AuthenticationError) as e:
+                if self._closing:
+                    return
+                # a wrong key, or a client gone during the handshake: the next one may be fine
+                log.warning("a connection to the engine worker failed: %s", e or type(e).__name__)
                 continue
             try:
                 conn.send(Reply(0, True, facts))

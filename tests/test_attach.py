@@ -9,6 +9,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import socket
 from multiprocessing.connection import AuthenticationError
 
 import pytest
@@ -152,6 +153,8 @@ def test_a_wrong_key_is_refused_and_the_engine_goes_on(owner, reference):
     address, key = owner.listen()
     with pytest.raises(AuthenticationError):
         ProcessAsyncEngine.attach(address, b"not the key")
+    with socket.socket(socket.AF_UNIX) as s:  # a client that leaves during the handshake
+        s.connect(address)
     out = asyncio.run(owner.generate(input_ids=PROMPTS[0], sampling_params=GREEDY))
     assert out.outputs[0].token_ids == reference[tuple(PROMPTS[0])].token_ids
     ProcessAsyncEngine.attach(address, key).close()  # the right key still gets in
