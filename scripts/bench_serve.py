@@ -211,7 +211,11 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
 def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
     front = ProcessAsyncEngine(folder, stream_interval=args.stream_interval, **engine_options(args))
-    url, server, fronts = serve(front, args.api_servers)
+    try:
+        url, server, fronts = serve(front, args.api_servers)
+    except BaseException:
+        front.close()  # else the engine's child keeps this process from exiting, and the run waits
+        raise
     pids = [p.pid for p in fronts]
     cpu0 = time.process_time() + cpu_seconds(pids)
     served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
@@ -288,6 +292,9 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="the servers' chunk each N tokens")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    missing = [m for m in ("uvicorn", "fastapi", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        ap.error(f"{', '.join(missing)} not installed: pip install 'rollout[serve]' httpx")
     if args.model == "tiny":
         from rollout.toy import default_model_dir
 

@@ -18,7 +18,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.cache.pool import KVPool
-from rollout.transfer import to_device
+from rollout.transfer import Staging, to_device
 
 WORKSPACE_BYTES = 128 << 20  # split-KV partial results; shared by every wrapper (one runs at a time)
 INT_WORKSPACE_BYTES = 8 << 20  # plan arrays of the graph wrappers (shared, re-planned before each replay)
@@ -55,6 +55,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_int_workspace: torch.Tensor | None = None
         self._graph_indptr: dict[int, np.ndarray] = {}  # bs -> the indptr its buffers were last filled with
         self._plan_events: dict[int, Any] = {}  # id(wrapper) -> event recorded after its last plan
+        self._staging = Staging(self.device)  # pinned buffers of the graph CSR uploads
 
     # -- planning ---------------------------------------------------------------------------------
     def begin(self, batch: AttnBatch) -> _Meta:
@@ -99,12 +100,12 @@ class FlashInferBackend(AttentionBackend):
             indptr = kept
             lens = np.maximum(np.asarray(batch.seq_lens_cpu, dtype=np.int32), 1)
             last = (lens - (np.diff(indptr) - 1) * self.kv.page_size).astype(np.int32)
-            last_buf.copy_(to_device([last], self.device)[0], non_blocking=True)
+            last_buf.copy_(to_device([last], self.device, self._staging)[0], non_blocking=True)
         else:
             indptr, indices, last = paged_csr(batch.seq_lens_cpu, batch.page_table_cpu, self.kv.page_size)
             if len(indices) > len(indices_buf):
                 raise ValueError(f"{len(indices)} pages exceed the CUDA-graph buffer of {len(indices_buf)}")
-            dev_indptr, dev_indices, dev_last = to_device([indptr, indices, last], self.device)
+            dev_indptr, dev_indices, dev_last = to_device([indptr, indices, last], self.device, self._staging)
             indptr_buf.copy_(dev_indptr, non_blocking=True)
             indices_buf[: len(indices)].copy_(dev_indices, non_blocking=True)
             last_buf.copy_(dev_last, non_blocking=True)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from rollout.sequence import Sequence
-from rollout.transfer import to_device
+from rollout.transfer import Staging, to_device
 
 
 @dataclass
@@ -36,7 +36,12 @@ class LogitAdjust:
 
     @classmethod
     def build(
-        cls, seqs: list[Sequence], eos_ids: Iterable[int], vocab: int, device: torch.device
+        cls,
+        seqs: list[Sequence],
+        eos_ids: Iterable[int],
+        vocab: int,
+        device: torch.device,
+        staging: Staging | None = None,
     ) -> LogitAdjust:
         eos = [t for t in eos_ids if t < vocab]
         mask = _pairs((i, _min_tokens_mask(s, eos)) for i, s in enumerate(seqs))
@@ -60,7 +65,7 @@ class LogitAdjust:
             *out,
             *prompt,
         ]
-        return cls(*to_device(arrays, device))
+        return cls(*to_device(arrays, device, staging))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The adjusted logits (a new tensor: the raw ones still give the default logprobs)."""

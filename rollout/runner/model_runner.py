@@ -28,7 +28,7 @@ from rollout.runner.page_table import HostPageTable
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
 from rollout.scoring import prompt_logprobs
 from rollout.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
-from rollout.transfer import to_device
+from rollout.transfer import Staging, to_device
 
 if TYPE_CHECKING:
     from rollout.lora import LoraManager
@@ -105,6 +105,7 @@ class ModelRunner:
         self.lora = lora  # adapter slots (None: LoRA off)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.eos_ids = eos_ids  # what min_tokens masks
+        self.staging = Staging(device)  # the pinned buffers of every step's uploads
         self.page_size = backend.kv.page_size
         self.max_model_len = max_model_len
         self.page_table = HostPageTable(2 * max_running + 8, -(-max_model_len // self.page_size))
@@ -189,7 +190,7 @@ class ModelRunner:
         else:
             inputs = self.eager_inputs(host, sampling)
         if prev is not None and batch.decode:
-            _take_pending_ids(inputs.input_ids, batch.seqs, seq_ids, prev)
+            _take_pending_ids(inputs.input_ids, batch.seqs, seq_ids, prev, self.staging)
         return inputs, host, seq_ids
 
     def _graph_bs(self, host: HostBatch) -> int | None:
@@ -200,9 +201,13 @@ class ModelRunner:
     def _sampling(self, seqs: list[Sequence], us: np.ndarray) -> SamplingBatch | None:
         if not seqs:
             return None
-        sampling = SamplingBatch.build([s.params for s in seqs], us, self.vocab_size, self.device)
+        sampling = SamplingBatch.build(
+            [s.params for s in seqs], us, self.vocab_size, self.device, staging=self.staging
+        )
         if sampling.adjusts_logits:
-            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
+            sampling.adjust = LogitAdjust.build(
+                seqs, self.eos_ids, self.vocab_size, self.device, self.staging
+            )
         return sampling
 
     def _decode_host(self, batch: ScheduledBatch) -> tuple[HostBatch, SamplingBatch, list[int]]:
@@ -236,10 +241,12 @@ class ModelRunner:
         host.same_pages = host.same_seqs and not len(entered)
         state.positions, state.graph_bs = starts, graph_bs
         state.draws = state.draws + np.uint64(1)
-        us = to_device([hashed_uniforms(state.seeds, state.draws)], self.device)[0]
+        us = to_device([hashed_uniforms(state.seeds, state.draws)], self.device, self.staging)[0]
         sampling = replace(state.sampling, uniforms=us)
         if sampling.adjusts_logits:  # min_tokens and penalties follow the tokens: rebuilt every step
-            sampling.adjust = LogitAdjust.build(seqs, self.eos_ids, self.vocab_size, self.device)
+            sampling.adjust = LogitAdjust.build(
+                seqs, self.eos_ids, self.vocab_size, self.device, self.staging
+            )
         return host, sampling, seq_ids
 
     def eager_inputs(self, host: HostBatch, sampling: SamplingBatch | None) -> StepInputs:
@@ -257,7 +264,9 @@ class ModelRunner:
         ]
         if host.token_slots is not None:
             arrays.append(host.token_slots)
-        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *lora = to_device(arrays, self.device)
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *lora = to_device(
+            arrays, self.device, self.staging
+        )
         attn = AttnBatch(
             decode=host.decode,
             q_lens=host.q_lens,
@@ -313,7 +322,7 @@ class ModelRunner:
 
 
 def _take_pending_ids(
-    input_ids: torch.Tensor, seqs: list[Sequence], seq_ids: list[int], prev: Launched
+    input_ids: torch.Tensor, seqs: list[Sequence], seq_ids: list[int], prev: Launched, staging: Staging
 ) -> None:
     """Overwrite, on the device, the input ids of the sequences whose last token `prev` samples."""
     if prev.tokens is None:
@@ -324,7 +333,7 @@ def _take_pending_ids(
     where = {sid: i for i, sid in enumerate(prev.seq_ids)}
     pairs = [(b, where[s.seq_id]) for b, s in enumerate(seqs) if s.pending]
     if pairs:
-        dst, src = to_device([np.array(p, dtype=np.int64) for p in zip(*pairs)], input_ids.device)
+        dst, src = to_device([np.array(p, dtype=np.int64) for p in zip(*pairs)], input_ids.device, staging)
         input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
 

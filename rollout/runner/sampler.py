@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.sampling import SamplingParams
-from rollout.transfer import to_device
+from rollout.transfer import Staging, to_device
 
 
 @dataclass
@@ -54,7 +54,12 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, params: list[SamplingParams], uniforms: Sequence[float], vocab: int, device: torch.device
+        cls,
+        params: list[SamplingParams],
+        uniforms: Sequence[float],
+        vocab: int,
+        device: torch.device,
+        staging: Staging | None = None,
     ) -> SamplingBatch:
         # a batch usually holds a handful of distinct SamplingParams objects (one per generate call or
         # prompt): per-row values are gathered from them with numpy and sent in one copy
@@ -71,7 +76,7 @@ class SamplingBatch:
         any_processed = any(p.logprobs_mode == "processed" for p in distinct)
         if any_processed:
             arrays.append(np.array([p.logprobs_mode == "processed" for p in distinct])[which])
-        rows, ints, us, *processed = to_device(arrays, device)
+        rows, ints, us, *processed = to_device(arrays, device, staging)
         return cls(
             temperatures=rows[:, 0],
             top_p=rows[:, 1],
