@@ -70,3 +70,14 @@ class Update:
 
     def __bool__(self) -> bool:
         return bool(self.replies or self.finished or self.tokens or self.failed)
+
+    def __reduce__(self) -> tuple:
+        # the deltas cross as plain tuples: they pickle about 5x faster than NamedTuples, and the
+        # pickling runs in the engine worker, between its steps
+        tokens = [tuple(d) for d in self.tokens]
+        return _rebuild_update, (self.replies, self.finished, tokens, self.failed, self.error)
+
+
+def _rebuild_update(replies: list, finished: list, tokens: list[tuple], failed: list, error: Any) -> Update:
+    make = TokenDelta._make
+    return Update(replies, finished, [make(t) for t in tokens], failed, error)

@@ -60,7 +60,7 @@ def test_token_deltas_refuses_bad_counts_and_the_engine_goes_on(qwen3_dir):
     engine.add_request("a", [1, 2, 3], params)
     engine.step()
     engine.step()  # both samples have tokens now
-    for bad in ([0], [0, -1], [0, 1.0], (0, 0)):
+    for bad in ([0], [0, -1], [0, 1.0], [0, True], (0, 0)):
         with pytest.raises(ValueError, match=r"sent\['a'\]"):
             engine.token_deltas({"a": bad})
     deltas = engine.token_deltas({"a": [0, 0], "gone": [0]})  # a request not in flight is skipped
@@ -71,3 +71,21 @@ def test_token_deltas_refuses_bad_counts_and_the_engine_goes_on(qwen3_dir):
         engine.step()
     assert not engine.has_unfinished("a")
     engine.shutdown()
+
+
+def test_an_update_crosses_the_pipe_whole():
+    """Updates pickle their deltas as plain tuples (faster in the worker); the parent gets TokenDeltas."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from rollout.outputs import TokenDelta
+    from rollout.wire import Reply, Update
+
+    deltas = [
+        TokenDelta("a", 0, [5, 6], [-0.5, -1.5], None, [0, 1], None, None, None),
+        TokenDelta(("b", 2), 1, [7], None, [{7: -0.1, 8: -2.0}], [1], "stop", "</s>", "ab"),
+    ]
+    update = Update(replies=[Reply(3, True, {"x": 1})], tokens=deltas, failed=["c"])
+    back = pickle.loads(ForkingPickler.dumps(update))
+    assert back == update and all(type(d) is TokenDelta for d in back.tokens)
+    assert back.replies[0].value == {"x": 1} and back.failed == ["c"]
