@@ -9,8 +9,11 @@ are encoded here, stream text is decoded here) and the callers.
 Two threads of this process talk to the child over one pipe:
 - the sender sends every command queued since its last send as one message (adds of many concurrent
   callers cross together; a caller never blocks on the pipe);
-- the reader receives the child's one update per step: answers resolve the callers' futures, token
-  deltas become RequestOutput deltas with text, and each caller's event loop is woken once per step.
+- the reader receives the child's updates: answers resolve the callers' futures, outputs and token
+  deltas go to their callers' queues, and each caller's event loop is woken once per update. Once
+  those loops have run the callers they woke, the sender acknowledges the update (or after
+  ACK_AFTER_S, whatever the loops): the child sends the next only then, so while the callers are busy
+  its steps gather into fewer, larger updates.
 If the child dies, every pending request and call fails with "the engine process died", and the
 engine refuses new work.
 """
@@ -24,6 +27,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import threading
+import time
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
@@ -46,6 +50,8 @@ log = logging.getLogger("rollout")
 
 CONSTANT_PROPERTIES = ("max_model_len", "pool_tokens")  # read once at start-up, not per call
 CLOSE_TIMEOUT_S = 60.0  # how long close() waits for the child to shut its engine down
+ACK_AFTER_S = 0.05  # the longest an update's ACK waits for its callers' loops (one that stopped running
+# must not hold back every other caller's outputs)
 
 
 @dataclass(eq=False)
@@ -153,6 +159,8 @@ class ProcessAsyncEngine(AsyncFront):
         self._channels: dict[Hashable, _Channel] = {}
         self._futures: dict[int, tuple[concurrent.futures.Future, set]] = {}
         self._outbox: list[Call] = []
+        self._ack_owed: tuple[int, int, float] | None = None  # (update number, loops left, deadline)
+        self._updates = 0  # updates applied
         self._ids = itertools.count(1)
         self._dead: str | None = None  # why the child is gone, once it is
         self._sender = threading.Thread(target=self._send_loop, name="rollout-worker-send", daemon=True)
@@ -258,7 +266,12 @@ class ProcessAsyncEngine(AsyncFront):
         while True:
             with self._lock:
                 while not self._outbox and self._dead is None:
-                    self._lock.wait()
+                    if self._ack_owed is None:
+                        self._lock.wait()
+                    elif self._ack_owed[2] <= time.monotonic():
+                        self._queue_ack()  # a loop that got outputs has not run them in time
+                    else:
+                        self._lock.wait(self._ack_owed[2] - time.monotonic())
                 batch, self._outbox = self._outbox, []
             if not batch:
                 return  # the child is gone
@@ -298,9 +311,43 @@ class ProcessAsyncEngine(AsyncFront):
                 error = _exception(update.error)
                 items += [(ch, error) for rid in update.failed if (ch := self._channels.pop(rid, None))]
             answered = [(self._futures.pop(r.id), r) for r in update.replies]
-        _deliver(items)  # outputs before answers: an abort's caller finds the aborted output queued
+            self._updates += 1
+            number = self._updates
+        loops = _deliver(items)  # outputs before answers: an abort's caller finds the aborted output queued
         for (fut, devices), reply in answered:
             _resolve(fut, reply, devices)
+        self._owe_ack(number, loops)
+
+    # -- acknowledging updates ----------------------------------------------------------------------
+    def _owe_ack(self, number: int, loops: list[asyncio.AbstractEventLoop]) -> None:
+        """Acknowledge update `number` once every loop in `loops` has run the callers it woke (at once
+        when there are none). A later update's ACK stands for the earlier ones too."""
+        with self._lock:
+            self._ack_owed = (number, len(loops), time.monotonic() + ACK_AFTER_S)
+            if not loops:
+                self._queue_ack()
+            else:
+                self._lock.notify()  # the sender waits for the deadline from now on
+        for loop in loops:
+            try:  # on the loop after the delivery; its call_soon then runs after the callers it woke
+                loop.call_soon_threadsafe(lambda loop=loop: loop.call_soon(self._loop_done, number))
+            except RuntimeError:  # closed: nothing to wait for there
+                self._loop_done(number)
+
+    def _loop_done(self, number: int) -> None:
+        with self._lock:
+            if self._ack_owed is None or self._ack_owed[0] != number:
+                return  # acknowledged already (timed out), or a later update owes it now
+            number, left, deadline = self._ack_owed
+            self._ack_owed = (number, left - 1, deadline)
+            if left == 1:
+                self._queue_ack()
+
+    def _queue_ack(self) -> None:
+        """(Under the lock.) The sender's next batch carries the ACK."""
+        self._ack_owed = None
+        self._outbox.append(Call(0, W.ACK, (), {}))
+        self._lock.notify()
 
     def _child_gone(self) -> None:
         """Fail everything pending: the child exited (closed, or died) and nothing more will come."""
@@ -374,9 +421,11 @@ def _exception(reply: Reply | None) -> BaseException:
     return RuntimeError("a step failed")
 
 
-def _deliver(items: list[tuple[_Channel, Any]]) -> None:
-    """Hand outputs to their callers: one wake-up of each caller loop, not one per request."""
+def _deliver(items: list[tuple[_Channel, Any]]) -> list[asyncio.AbstractEventLoop]:
+    """Hand outputs to their callers: one wake-up of each caller loop, not one per request. Returns the
+    loops woken."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Channel, Any]]] = {}
+    woken = []
     for ch, item in items:
         by_loop.setdefault(ch.loop, []).append((ch, item))
     for loop, batch in by_loop.items():
@@ -388,7 +437,9 @@ def _deliver(items: list[tuple[_Channel, Any]]) -> None:
         try:
             loop.call_soon_threadsafe(put_all)
         except RuntimeError:  # that loop is closed: nobody is waiting any more
-            pass
+            continue
+        woken.append(loop)
+    return woken
 
 
 def _resolve(fut: concurrent.futures.Future, reply: Reply, devices: set) -> None:

@@ -4,9 +4,11 @@ Each turn of the loop runs the commands the parent sent since the last turn (req
 pauses, RL methods) and one `Engine.step`. What the turns produce (the answers, the whole outputs of
 the requests that ended, the new token ids / logprobs / weight versions of every streamed request)
 goes back as one `wire.Update` at a time, sent by a thread of its own: a step never waits for the
-pipe. While one update is on its way the turns' results gather into the next, so a parent that falls
-behind (many clients' SSE and JSON) gets fewer, larger updates instead of slowing the device. The HTTP
-work, the text work for streams and the JSON stay in the parent.
+pipe. The next update goes once the parent says (ACK) that its callers have taken the last one; until
+then the turns' results gather into it, so a parent that falls behind (many clients' SSE and JSON)
+gets fewer, larger updates, and both processes do less work per token, instead of the device slowing
+down. Answers to commands do not wait for the ACK. The HTTP work, the text work for streams and the
+JSON stay in the parent.
 
 More parents may attach (`listen`; several HTTP server processes over one engine): each has its own
 link (pipe, sender, update), gets the outputs of the requests it added and the answers to its
@@ -35,6 +37,7 @@ log = logging.getLogger("rollout")
 
 # the commands the worker runs itself; any other name is an Engine method or a property read
 ADD, ABORT, ABORT_ALL, PAUSE, CONTINUE, LISTEN = "add", "abort", "abort_all", "pause", "continue", "listen"
+ACK = "ack"  # the parent's callers took the last update: the next may go (no answer)
 
 
 def run(conn: Any, engine: Any) -> None:
@@ -54,6 +57,14 @@ class _Link:
         self.conn, self.primary = conn, primary
         self.update = Update()  # what the turns since the last hand-over produced for this parent
         self.sender = _Sender(conn)
+        self.acked = True  # the parent took the last update: the next may be handed over
+
+    def ready(self, wait: bool) -> bool:
+        """Whether this link's update may be handed over now: the parent acknowledged the last one (or
+        this one holds answers, which never wait for it), and the sender is free (with `wait`, after
+        the send in progress)."""
+        waiting_on_parent = not (self.acked or self.update.replies or self.update.failed)
+        return not waiting_on_parent and self.sender.free(wait)
 
 
 class _Worker:
@@ -85,7 +96,8 @@ class _Worker:
     def _turns(self) -> None:
         while True:
             idle = self.paused is not None or self.stalled or not self.engine.has_unfinished()
-            if idle and not self._hand_over(wait=True):  # nothing may wait in the worker while it sleeps
+            # nothing may wait in the worker while it sleeps, but what waits for an ACK (which wakes it)
+            if idle and not self._hand_over(wait=True):
                 return
             calls = self._receive(block=idle)
             if calls is None:
@@ -93,8 +105,8 @@ class _Worker:
             if calls:
                 self.stalled = False
             if not self._run_all(calls):
-                self._abort_all()  # closing: callers get the outputs they have
-                self._hand_over(wait=True)
+                self._abort_all()  # closing: callers get the outputs they have, acknowledged or not
+                self._hand_over(wait=True, closing=True)
                 return
             if self.paused is None and not self.stalled and self.engine.has_unfinished():
                 self._step()
@@ -116,7 +128,11 @@ class _Worker:
             link = by_conn[conn]
             try:
                 while conn.poll(0):
-                    calls += [(link, call) for call in conn.recv()]
+                    for call in conn.recv():
+                        if call.method == ACK:
+                            link.acked = True
+                        else:
+                            calls.append((link, call))
             except (EOFError, OSError):
                 if link.primary:
                     return None
@@ -247,15 +263,17 @@ class _Worker:
             self.live.pop(out.request_id, None)
             self.owner.pop(out.request_id, self.links[0]).update.finished.append(out)
 
-    def _hand_over(self, wait: bool) -> bool:
-        """Give each parent's gathered update to its sender, once that is free (now, or after the send
-        in progress with `wait`); otherwise keep gathering. False when the first parent has gone."""
+    def _hand_over(self, wait: bool, closing: bool = False) -> bool:
+        """Give each parent's gathered update to its sender where the link is ready (see `_Link.ready`;
+        when `closing`, only the sender counts); otherwise keep gathering. False when the first parent
+        has gone. An idle turn that leaves an update waiting for its ACK sleeps until the ACK comes."""
         for link in self.links[1:]:
             if link.sender.broken:
                 self._drop(link)
         if self.links[0].sender.broken:
             return False
-        self._hand_over_to([link for link in self.links if link.sender.free(wait)])
+        ready = [link for link in self.links if (link.sender.free(wait) if closing else link.ready(wait))]
+        self._hand_over_to(ready)
         return not self.links[0].sender.broken
 
     def _hand_over_to(self, links: list[_Link]) -> None:
@@ -273,6 +291,7 @@ class _Worker:
         for link in links:
             if link.update:
                 update, link.update = link.update, Update()
+                link.acked = False
                 link.sender.put(update)
 
 

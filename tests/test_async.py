@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -364,3 +365,41 @@ def test_streams_under_the_overlap_schedule_equal_engine_generate(engine, qwen3_
         assert sum((o.outputs[0].token_ids for o in outs), []) == w.token_ids
         assert sum((o.outputs[0].logprobs for o in outs), []) == pytest.approx(w.logprobs, abs=1e-5)
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_a_busy_caller_loop_gets_fewer_larger_updates(process_engine):
+    """While the callers' event loop is busy, the child's steps gather into fewer updates (each sent
+    once the last was taken, or after ACK_AFTER_S): fewer than the steps, and every token still comes.
+    A property read from inside the loop meanwhile is answered (answers never wait for the ACK)."""
+    from rollout import async_process
+
+    applied = []
+    apply = process_engine._apply
+
+    def counting(update):
+        applied.append(time.monotonic())
+        apply(update)
+
+    process_engine._apply = counting  # the reader thread calls it per update
+    params = SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True)
+
+    async def run():
+        outs, busy = [], None
+        async for out in process_engine.stream(input_ids=PROMPTS[0], sampling_params=params):
+            outs.append(out)
+            if busy is None:  # the loop runs nothing else for a while: the steps go on
+                steps0 = process_engine.stats.steps  # a blocking read from inside the loop
+                t0 = time.monotonic()
+                time.sleep(0.8)
+                busy = (t0, time.monotonic(), process_engine.stats.steps - steps0)
+        return outs, busy
+
+    try:
+        outs, (t0, t1, steps) = asyncio.run(run())
+    finally:
+        del process_engine._apply
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 160 and outs[-1].finished
+    during = sum(t0 <= t < t1 for t in applied)
+    assert steps >= 20, f"only {steps} steps in 0.8 s: the test cannot tell gathering apart"
+    # one update per ACK_AFTER_S at most (the loop never ran its callers), plus the ones in flight
+    assert during <= 0.8 / async_process.ACK_AFTER_S + 3 < steps, (during, steps)

@@ -37,6 +37,7 @@ def test_a_parent_that_stops_reading_does_not_stop_the_steps(qwen3_dir):
     finals, updates = {}, 0
     while len(finals) < REQUESTS:
         update = parent.recv()
+        parent.send([Call(0, W.ACK, (), {})])  # the next update goes once this one is taken
         updates += 1
         assert all(r.ok for r in update.replies), [r.value for r in update.replies if not r.ok]
         for d in update.tokens:
@@ -45,7 +46,7 @@ def test_a_parent_that_stops_reading_does_not_stop_the_steps(qwen3_dir):
     parent.send([Call(0, CLOSE, (), {})])
     worker.join(30)
     assert not worker.is_alive()
-    # fewer updates than steps: while one was on its way, the next gathered the steps behind it
+    # fewer updates than steps: while one waited for its ACK, the next gathered the steps behind it
     assert updates < engine.stats.steps
     for rid, out in finals.items():
         whole = out.outputs[0].token_ids

@@ -295,7 +295,8 @@ def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
 
     @app.get("/get_weight_version", dependencies=auth)
     async def weight_version() -> dict:
-        return {"weight_version": str(engine.weight_version)}
+        # a round trip to the engine process: off the event loop, which serves the streams meanwhile
+        return {"weight_version": str(await asyncio.to_thread(lambda: engine.weight_version))}
 
     @app.post("/generate", dependencies=auth)
     async def generate(req: P.GenerateRequest) -> Any:
