@@ -63,8 +63,7 @@ class _Link:
         """Whether this link's update may be handed over now: the parent acknowledged the last one (or
         this one holds answers, which never wait for it), and the sender is free (with `wait`, after
         the send in progress)."""
-        waiting_on_parent = not (self.acked or self.update.replies or self.update.failed)
-        return not waiting_on_parent and self.sender.free(wait)
+        return bool(self.acked or self.update.replies or self.update.failed) and self.sender.free(wait)
 
 
 class _Worker:

@@ -109,13 +109,13 @@ def serve(front: object, api_servers: int = 1) -> tuple[str, object, list]:
     return f"http://127.0.0.1:{port}", server, fronts
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of other processes so far (Linux /proc)."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+def server_cpu(pids: list[int]) -> list[float]:
+    """User + system CPU seconds so far of this process, then of each of `pids` (Linux /proc)."""
+    tick, found = os.sysconf("SC_CLK_TCK"), [time.process_time()]
     for pid in pids:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        found.append((int(fields[11]) + int(fields[12])) / tick)
+    return found
 
 
 def stop(server: object, fronts: list) -> None:
@@ -240,12 +240,12 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
     for _ in range(args.repeats):
         asyncio.run(front.flush_cache())  # every run computes its prompts, as Engine.generate's do
         before = front.stats
-        cpu0 = [time.process_time(), *(cpu_seconds([p]) for p in pids)]
+        cpu0 = server_cpu(pids)
         served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
         # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
         # the cost of serving a token, whatever the device; near 1 s a second each (over the streams'
         # span, the clients' start-up left out), they are the limit
-        each = [t - t0 for t, t0 in zip([time.process_time(), *(cpu_seconds([p]) for p in pids)], cpu0)]
+        each = [t - t0 for t, t0 in zip(server_cpu(pids), cpu0)]
         after, wall = front.stats, sum(outs) / served
         steps = after.steps - before.steps
         print(f"served: {steps_line(steps, after.decode_tokens - before.decode_tokens, wall)}", flush=True)
