@@ -23,6 +23,9 @@ class EngineConfig:
     max_running_requests: int = 256
     max_model_len: int | None = None
     max_prefill_tokens: int = 8192  # token budget of one prefill step (chunked prefill)
+    # a prefill step also decodes one token of each running sequence (SGLang's enable_mixed_chunk, vLLM's
+    # chunked prefill): arrivals one by one then cost no extra steps for the others
+    mixed_chunk: bool = True
     page_size: int = 16
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
@@ -60,6 +63,8 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
+        if not isinstance(self.mixed_chunk, bool):
+            raise TypeError(f"mixed_chunk must be a bool, got {self.mixed_chunk!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise TypeError(f"overlap_schedule must be a bool or None, got {self.overlap_schedule!r}")
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):

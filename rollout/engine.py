@@ -99,6 +99,7 @@ class EngineStats:
     pages_cached: int  # pages indexed in the prefix cache
     page_size: int
     steps: int  # since the engine started
+    prefill_steps: int  # of those steps (the others decode)
     prefill_tokens: int
     decode_tokens: int
     preemptions: int
@@ -162,6 +163,7 @@ class Engine:
             StopChecker(eos_ids, self.tokenizer),
             max_running=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
+            mixed=cfg.mixed_chunk,
         )
         self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
@@ -187,7 +189,7 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
-        self._totals = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self._totals = {"steps": 0, "prefill_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
         self._overlap = cfg.overlap_schedule
         if self._overlap is None:  # tensor parallel with overlap has not run on GPUs yet: off there
@@ -344,7 +346,9 @@ class Engine:
         rows = self.scheduler.account(batch, launched.sampled)
         self._in_flight = _InFlight(batch, rows, launched, self.weights.version)
         self._totals["steps"] += 1
-        self._totals["decode_tokens" if batch.decode else "prefill_tokens"] += batch.num_tokens
+        self._totals["prefill_steps"] += not batch.decode
+        self._totals["decode_tokens"] += batch.decode_tokens
+        self._totals["prefill_tokens"] += batch.num_tokens - batch.decode_tokens
         if not self._overlap or not self.scheduler.requests:  # nothing left for it to overlap with
             reported += self._collect()
         return reported

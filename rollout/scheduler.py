@@ -2,7 +2,9 @@
 
 A step is either a prefill step (chunks of prompts under a token budget, partial prefills first) or a
 decode step (one token for every running sequence). Prefill goes first, so new requests join between
-decode steps. When the pool runs out of pages the newest running sequence is preempted: its pages
+decode steps; with `mixed` (the default), a prefill step also carries one token of every running
+sequence that decodes, so requests arriving one by one (a server's) do not stall the others' decoding
+for a step each. When the pool runs out of pages the newest running sequence is preempted: its pages
 are freed and it waits to be recomputed from its tokens later; it is never dropped.
 
 A step is accounted in two halves, so the engine may launch the next step before this one's tokens are
@@ -30,16 +32,30 @@ class ScheduledBatch:
     seqs: list[Sequence]
     chunks: list[int]  # tokens each sequence computes this step
     decode: bool
+    decodes: int = 0  # a prefill step's last rows that decode one token each (mixed steps)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.chunks)
 
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens of the step that extend an output (the rest compute prompts)."""
+        return self.num_tokens if self.decode else self.decodes
+
 
 class Scheduler:
-    def __init__(self, pages: PageManager, stops: StopChecker, *, max_running: int, max_prefill_tokens: int):
+    def __init__(
+        self,
+        pages: PageManager,
+        stops: StopChecker,
+        *,
+        max_running: int,
+        max_prefill_tokens: int,
+        mixed: bool = True,
+    ):
         self.pages, self.stops = pages, stops
-        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.max_running, self.max_prefill_tokens, self.mixed = max_running, max_prefill_tokens, mixed
         self.requests: dict[Hashable, Request] = {}  # in flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -82,12 +98,14 @@ class Scheduler:
         return any(_ends_in_flight(s) for s in self.running) or bool(self.waiting and self.waiting[0].pending)
 
     def _prefill_batch(self) -> ScheduledBatch | None:
-        budget, seqs, chunks = self.max_prefill_tokens, [], []
+        budget, seqs, chunks, decoding = self.max_prefill_tokens, [], [], []
         for seq in self.running:  # finish prefills already under way first (their pages are reserved)
             if seq.needs > 1 and budget > 0:
                 chunk = min(seq.needs, budget)
                 seqs.append(seq), chunks.append(chunk)
                 budget -= chunk
+            elif seq.needs == 1:
+                decoding.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if seq.pending or not self._admit(seq):  # pending: its prompt would hold the placeholder
@@ -98,7 +116,12 @@ class Scheduler:
             chunk = min(seq.needs, budget)
             seqs.append(seq), chunks.append(chunk)
             budget -= chunk
-        return ScheduledBatch(seqs, chunks, decode=False) if seqs else None
+        if not seqs:
+            return None
+        # the decoding sequences ride along, past the budget (one token each); one without a page to grow
+        # into waits for the next decode step, which preempts to make room
+        riders = [s for s in decoding if self.mixed and not _ends_in_flight(s) and self._grow(s)]
+        return ScheduledBatch(seqs + riders, chunks + [1] * len(riders), decode=False, decodes=len(riders))
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve pages for all of `seq`'s tokens, keeping one spare page per running sequence so the

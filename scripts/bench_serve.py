@@ -39,6 +39,7 @@ from models import SHAPES, bench_model  # noqa: E402
 
 from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
+from rollout.process import freeze_heap  # noqa: E402
 
 
 def workload(vocab: int, seed: int, num: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[int]]:
@@ -65,19 +66,21 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int], repeat
         seconds = time.perf_counter() - t0
         s = engine.last_stats
         print(
-            f"Engine.generate: {seconds:.3f} s; {steps_line(s['steps'], s['decode_tokens'], seconds)}",
+            f"Engine.generate: {seconds:.3f} s; "
+            f"{steps_line(s['steps'], s['prefill_steps'], s['decode_tokens'], seconds)}",
             flush=True,
         )
         best = max(best, sum(len(o.outputs[0].token_ids) for o in done) / seconds)
     return best
 
 
-def steps_line(steps: int, decode_tokens: int, seconds: float) -> str:
+def steps_line(steps: int, prefill_steps: int, decode_tokens: int, seconds: float) -> str:
     """The engine's steps over a run: a served run with more steps, or slower ones, than Engine.generate
     shows where the time went (admission spread out, or host work between the steps)."""
     per = max(steps, 1)
     return (
-        f"{steps} steps, {decode_tokens / per:.1f} decode tokens a step, {seconds / per * 1e3:.2f} ms a step"
+        f"{steps} steps ({prefill_steps} prefill), {decode_tokens / max(steps - prefill_steps, 1):.1f} "
+        f"tokens a decode step, {seconds / per * 1e3:.2f} ms a step"
     )
 
 
@@ -150,7 +153,7 @@ async def run_clients(
             body = {"input_ids": ids, "sampling_params": sp, "stream": True}
         async with gate, ac.stream("POST", path, json=body) as r:
             r.raise_for_status()
-            count, first = 0, None
+            count, first, heard = 0, None, time.monotonic()  # headers: the server took the request
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -160,7 +163,7 @@ async def run_clients(
                 else:
                     count = chunk["meta_info"]["completion_tokens"]
                 first = first or (time.monotonic() if count else None)
-            return count, first, time.monotonic()
+            return count, first, time.monotonic(), heard
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
         await one(ac, prompts[0], 8)  # warm-up
@@ -171,12 +174,15 @@ async def run_clients(
         t1 = time.monotonic()
     if [d[0] for d in done] != outs:
         raise RuntimeError("a streamed request came back short")
-    return sum(outs), t0, t1, [d[1] for d in done], [d[2] for d in done]
+    return sum(outs), t0, t1, [d[1] for d in done], [d[2] for d in done], [d[3] for d in done]
 
 
 def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, start, result) -> None:
     """Clients in a process of their own, as real clients are: they share no interpreter lock with the
-    server (nor, with --client-procs > 1, with each other)."""
+    server (nor, with --client-procs > 1, with each other). Their heap, torch's modules imported with
+    this script, is frozen as the server's is: a real client's is small, and its full collections would
+    pause the streams."""
+    freeze_heap()
     result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, start)))
 
 
@@ -201,21 +207,31 @@ def run_clients_elsewhere(
         for w in workers:
             w.join(10)
     tokens, start = sum(f[0] for f in found), min(f[1] for f in found)
-    firsts = sorted(t - start for f in found for t in f[3])
-    ends = sorted(t - start for f in found for t in f[4])
-    # when the requests got going and ended, from the first start (monotonic clock, shared by the host)
-    print(f"first tokens: median {firsts[len(firsts) // 2]:.3f} s, last {firsts[-1]:.3f} s; "
-          f"ends: median {ends[len(ends) // 2]:.3f} s, last {ends[-1]:.3f} s", flush=True)  # fmt: skip
+    # when the server took the requests (response headers), when they got going and when they ended, from
+    # the first start (monotonic clock, shared by the host): late headers mean slow admission
+    named = (("headers", 5), ("first tokens", 3), ("ends", 4))
+    print(", ".join(f"{n}: {spread([t - start for f in found for t in f[i]])}" for n, i in named), flush=True)
     return tokens / (max(f[2] for f in found) - start)
 
 
+def spread(times: list[float]) -> str:
+    times = sorted(times)
+    return f"median {times[len(times) // 2]:.3f} s, last {times[-1]:.3f} s"
+
+
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, cuda_graph=bool(args.cuda_graph), max_running_requests=256)
+    return dict(
+        device=args.device,
+        cuda_graph=bool(args.cuda_graph),
+        max_running_requests=256,
+        mixed_chunk=bool(args.mixed_chunk),
+    )
 
 
 def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """Engine.generate, then (with --mode thread or both) the same engine served by AsyncEngine."""
     engine = Engine(folder, **engine_options(args))
+    freeze_heap()  # as the server's processes do: Engine.generate gets no full collections of start-up either
     found = {"engine_generate_tok_s": run_engine(engine, prompts, outs, args.repeats)}
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
@@ -248,7 +264,9 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
         each = [t - t0 for t, t0 in zip(server_cpu(pids), cpu0)]
         after, wall = front.stats, sum(outs) / served
         steps = after.steps - before.steps
-        print(f"served: {steps_line(steps, after.decode_tokens - before.decode_tokens, wall)}", flush=True)
+        prefills = after.prefill_steps - before.prefill_steps
+        decoded = after.decode_tokens - before.decode_tokens
+        print(f"served: {steps_line(steps, prefills, decoded, wall)}", flush=True)
         # one busy process among idle ones means the connections were not shared out evenly
         print("server processes' CPU s: " + ", ".join(f"{t:.2f}" for t in each), flush=True)
         if served > best.get("process_stream_tok_s", 0.0):
@@ -312,6 +330,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cuda-graph", type=int, default=1)
+    ap.add_argument("--mixed-chunk", type=int, default=1, help="0: prefill steps carry no decoding rows")
     ap.add_argument("--endpoint", choices=["completions", "generate"], default="completions")
     ap.add_argument(
         "--client-procs", type=int, default=1, help="client processes sharing the --clients streams"
@@ -345,6 +364,7 @@ def main() -> None:
         "client_procs": args.client_procs,
         "api_servers": args.api_servers,
         "stream_interval": args.stream_interval,
+        "mixed_chunk": bool(args.mixed_chunk),
         "endpoint": args.endpoint,
     }
     result |= in_own_process(thread_phase, folder, args, prompts, outs)

@@ -225,3 +225,19 @@ def test_long_tensor_lists_cross_at_a_low_fd_limit(tmp_path):
         [sys.executable, "-c", FD_SCRIPT, str(path)], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_child_serves_with_its_start_up_heap_frozen(checkpoints):
+    """serve_child freezes what building the engine made before it serves (no full collection walks
+    the model's objects under load), and unfreezes once the loop ends, so they are finalised at exit."""
+    import gc
+    from multiprocessing import Pipe
+
+    from rollout.process import serve_child
+
+    seen = []
+    parent, child = Pipe()
+    assert gc.get_freeze_count() == 0
+    serve_child(child, checkpoints["qwen3"], OPTIONS, lambda conn, engine: seen.append(gc.get_freeze_count()))
+    assert parent.recv().ok and seen[0] > 10_000
+    assert gc.get_freeze_count() == 0

@@ -202,6 +202,22 @@ def test_sglang_generate_and_control_endpoints(client, ref):
     assert client.get("/health_generate").status_code == 200
 
 
+def test_a_thread_server_serves_with_its_start_up_heap_frozen(chat_dir):
+    """The app's start-up freezes the heap (so a burst of requests sets off no full collection walking
+    the engine's and the modules' objects), and its shutdown unfreezes it."""
+    import gc
+
+    before = gc.get_freeze_count()  # a module's server may be up (and frozen) already
+    s = Server(chat_dir, "thread")
+    try:
+        assert gc.get_freeze_count() > before  # this server's engine and app joined the frozen heap
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+    finally:
+        s.stop()
+    assert gc.get_freeze_count() == 0
+
+
 def test_bad_requests_get_400_naming_the_field_and_auth_401(server, client):
     r = client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokenz": 3}})
     assert r.status_code == 400 and "max_new_tokenz" in r.text

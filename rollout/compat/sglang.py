@@ -43,6 +43,7 @@ SERVER_ARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "enable_memory_saver": ("enable_memory_saver", lambda v: v),
     "page_size": ("page_size", lambda v: v),
     "disable_radix_cache": ("enable_prefix_cache", lambda v: not v),
+    "enable_mixed_chunk": ("mixed_chunk", lambda v: v),
     "log_level": ("log_level", lambda v: v),
 }
 

@@ -189,8 +189,8 @@ class ModelRunner:
             inputs = self.graphs.load(host, sampling)
         else:
             inputs = self.eager_inputs(host, sampling)
-        if prev is not None and batch.decode:
-            _take_pending_ids(inputs.input_ids, batch.seqs, seq_ids, prev, self.staging)
+        if prev is not None:
+            _take_pending_ids(inputs.input_ids, host, batch.seqs, seq_ids, prev, self.staging)
         return inputs, host, seq_ids
 
     def _graph_bs(self, host: HostBatch) -> int | None:
@@ -322,16 +322,23 @@ class ModelRunner:
 
 
 def _take_pending_ids(
-    input_ids: torch.Tensor, seqs: list[Sequence], seq_ids: list[int], prev: Launched, staging: Staging
+    input_ids: torch.Tensor,
+    host: HostBatch,
+    seqs: list[Sequence],
+    seq_ids: list[int],
+    prev: Launched,
+    staging: Staging,
 ) -> None:
-    """Overwrite, on the device, the input ids of the sequences whose last token `prev` samples."""
+    """Overwrite, on the device, the input ids of the sequences whose last token `prev` samples (a
+    decode step's rows, or a mixed prefill step's decoding rows: one token each, its chunk's last)."""
     if prev.tokens is None:
         return
-    if prev.seq_ids == seq_ids:  # the steady state: the same sequences, in the same order
+    if host.decode and prev.seq_ids == seq_ids:  # the steady state: the same sequences, in the same order
         input_ids[: len(seq_ids)].copy_(prev.tokens)
         return
     where = {sid: i for i, sid in enumerate(prev.seq_ids)}
-    pairs = [(b, where[s.seq_id]) for b, s in enumerate(seqs) if s.pending]
+    ends = np.cumsum(host.q_lens) - 1  # each row's last token
+    pairs = [(int(ends[b]), where[s.seq_id]) for b, s in enumerate(seqs) if s.pending]
     if pairs:
         dst, src = to_device([np.array(p, dtype=np.int64) for p in zip(*pairs)], input_ids.device, staging)
         input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import pickle
 import time
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.async_front import AsyncFront, QueueFullError
 from rollout.outputs import CompletionOutput, RequestOutput
+from rollout.process import freeze_heap
 from rollout.sampling import SamplingParams
 from rollout.serve import protocol as P
 from rollout.stream_deltas import join
@@ -40,10 +42,14 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        if before_shutdown is not None:
-            await asyncio.get_running_loop().run_in_executor(None, before_shutdown)
-        await engine.shutdown()  # aborts what is still in flight
+        freeze_heap()  # the server's start-up heap: no full collection walks it under load
+        try:
+            yield
+            if before_shutdown is not None:
+                await asyncio.get_running_loop().run_in_executor(None, before_shutdown)
+            await engine.shutdown()  # aborts what is still in flight
+        finally:
+            gc.unfreeze()
 
     app = FastAPI(lifespan=lifespan, title="rollout")
     app.state.engine = engine
@@ -164,10 +170,10 @@ def _prompt_list(prompt: Any) -> list[dict[str, Any]]:
     """One {"prompts": text} or {"input_ids": ids} per prompt."""
     if isinstance(prompt, str):
         return [{"prompts": prompt}]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [{"input_ids": prompt}]
     if not prompt:
         raise ValueError("prompt: empty")
+    if isinstance(prompt[0], int):  # validated as one of the union's lists: one token list, all ints
+        return [{"input_ids": prompt}]
     return [{"prompts": p} if isinstance(p, str) else {"input_ids": p} for p in prompt]
 
 
@@ -444,7 +450,7 @@ def _generate_inputs(req: P.GenerateRequest) -> tuple[list[dict], bool]:
             else ([{"prompts": t} for t in req.text], True)
         )
     ids = req.input_ids
-    if ids and all(isinstance(t, int) for t in ids):
+    if ids and isinstance(ids[0], int):  # validated: one token list, all ints
         return [{"input_ids": ids}], False
     return [{"input_ids": p} for p in ids], True
 
