@@ -257,7 +257,8 @@ def test_graph_decode_path_matches_eager_generation_on_cpu(checkpoints):
     params = [SamplingParams(n=n, max_new_tokens=m, **greedy) for n, m in ((2, 2), (1, 5), (2, 3))]
     ref = Engine(checkpoints["qwen2"], device="cpu", page_size=4, max_total_tokens=512)
     ref_out = ref.generate(input_ids=prompts, sampling_params=params)
-    engine = triton_engine(checkpoints["qwen2"])
+    # unmixed: the followers' prefill steps would otherwise carry the decoding rows the graphs should run
+    engine = triton_engine(checkpoints["qwen2"], mixed_chunk=False)
     runner = engine.runner
     graphs = ReplayEagerly(
         engine.model,
