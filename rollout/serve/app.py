@@ -54,7 +54,7 @@ def build_app(
     app = FastAPI(lifespan=lifespan, title="rollout")
     app.state.engine = engine
     _errors(app)
-    auth = [Depends(_auth(api_key))]
+    auth = [Depends(_auth(api_key))] if api_key is not None else []  # none: no per-request dependency
     _openai(app, engine, model_name, auth)
     _sglang(app, engine, model_name, auth)
     return app
@@ -82,9 +82,9 @@ def _errors(app: FastAPI) -> None:
         return answer(503, str(exc))
 
 
-def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def _auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
     async def check(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        if request.headers.get("authorization") != f"Bearer {api_key}":
             raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY)")
 
     return check
