@@ -522,13 +522,16 @@ def test_mixed_steps_match_transformers_gpu(backend, gpu_checkpoints):
     p = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, logprobs=True, ignore_eos=True)
     prompts = [list(range(3, 3 + n)) for n in (5, 16, 31, 9, 40, 17, 2, 25)]
     todo, done = [(f"r{i}", q, p) for i, q in enumerate(prompts)], {}
+    mixed = 0  # prefill steps that also decoded
     while engine.has_unfinished() or todo:
         if todo:
             engine.add_request(*todo.pop(0))
+        before = engine.stats
         for out in engine.step():
             done[out.request_id] = out
-    decode_steps = engine.stats.steps - engine.stats.prefill_steps
-    assert engine.stats.decode_tokens > 8 * decode_steps  # decoding rows rode in the prefill steps too
+        after = engine.stats
+        mixed += after.prefill_steps > before.prefill_steps and after.decode_tokens > before.decode_tokens
+    assert mixed >= 2  # decoding rows rode in prefill steps
     assert engine.stats.pages_free == engine.stats.pages_total
     engine.shutdown()
     got, exact, half = [], [], []

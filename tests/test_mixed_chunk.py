@@ -5,10 +5,15 @@ plain and the overlap schedule (whose decoding rows take their input ids from th
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 from helpers import PROMPTS
 
 from rollout import Engine, SamplingParams
+from rollout.models.config import ModelConfig
 
 ENGINE = dict(device="cpu", max_total_tokens=4096, page_size=4)
 
@@ -111,3 +116,38 @@ def test_a_full_pool_leaves_riders_for_the_decode_step_that_preempts(qwen3_dir):
 def test_mixed_chunk_must_be_a_bool(qwen3_dir):
     with pytest.raises(TypeError, match="mixed_chunk"):
         Engine(qwen3_dir, **ENGINE, mixed_chunk=1)
+
+
+def test_mixed_steps_at_a_real_shape_match_transformers(tmp_path):
+    """Qwen2.5-0.5B's published config cut to one layer (GQA group 7, head dim 64, 151,936-token vocab),
+    float32: prompts arriving one a step, chunked under a small budget, with the running requests
+    decoding in those prefill steps. Each greedy token's logprob matches float32 transformers read back
+    from the same folder, and each token is its argmax."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import check_fidelity as cf
+
+    folder = cf.build_random("qwen2.5-0.5b", tmp_path / "ckpt", layers=1)
+    vocab = ModelConfig.from_path(folder).vocab_size
+    prompts = cf.default_prompts(vocab, [300, 37, 129, 5, 211], seed=2)
+    p = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=True)
+    engine = Engine(folder, device="cpu", page_size=16, max_total_tokens=4096, max_prefill_tokens=128)
+    todo, done = [(f"r{i}", q, p) for i, q in enumerate(prompts)], {}
+    mixed = 0  # prefill steps that also decoded
+    while engine.has_unfinished() or todo:
+        if todo:
+            engine.add_request(*todo.pop(0))
+        before = engine.stats
+        for out in engine.step():
+            done[out.request_id] = out
+        after = engine.stats
+        mixed += after.prefill_steps > before.prefill_steps and after.decode_tokens > before.decode_tokens
+    assert mixed >= 2  # decoding rows rode in prefill steps
+    del engine
+    hf = cf.load_hf(folder, torch.float32, "cpu")
+    for i, prompt in enumerate(prompts):
+        c = done[f"r{i}"].outputs[0]
+        rows = list(range(len(prompt) - 1, len(prompt) - 1 + len(c.token_ids)))
+        ref = torch.log_softmax(cf.hf_logits(hf, prompt + c.token_ids, rows).double(), dim=-1)
+        picked = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - picked).abs().max() <= 1e-4
+        assert (ref.max(dim=-1).values - picked <= 1e-4).all()
