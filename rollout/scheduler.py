@@ -120,7 +120,7 @@ class Scheduler:
             return None
         # the decoding sequences ride along, past the budget (one token each); one without a page to grow
         # into waits for the next decode step, which preempts to make room
-        riders = [s for s in decoding if self.mixed and not _ends_in_flight(s) and self._grow(s)]
+        riders = [s for s in decoding if not _ends_in_flight(s) and self._grow(s)] if self.mixed else []
         return ScheduledBatch(seqs + riders, chunks + [1] * len(riders), decode=False, decodes=len(riders))
 
     def _admit(self, seq: Sequence) -> bool:

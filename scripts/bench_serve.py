@@ -134,15 +134,16 @@ def stop(server: object, fronts: list) -> None:
 
 async def run_clients(
     url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, start=None
-) -> tuple[int, float, float]:
-    """Stream every request, `clients` at a time; (tokens received, start, end) on the monotonic clock,
+) -> tuple[int, float, float, list, list, list]:
+    """Stream every request, `clients` at a time; (tokens received, start, end, and per request when its
+    first token came, when it ended and when its response headers came) on the monotonic clock,
     the start after a warm-up request and, with `start` (a barrier), once every client process is ready."""
     import httpx
 
     gate = asyncio.Semaphore(clients)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
-    async def one(ac: httpx.AsyncClient, ids: list[int], n: int) -> int:
+    async def one(ac: httpx.AsyncClient, ids: list[int], n: int) -> tuple[int, float | None, float, float]:
         if endpoint == "completions":  # OpenAI-style deltas; token ids counted chunk by chunk
             path = "/v1/completions"
             body = dict(prompt=ids, max_tokens=n, temperature=0.6, ignore_eos=True, stream=True)
