@@ -102,6 +102,7 @@ class EngineStats:
     prefill_steps: int  # of those steps (the others decode)
     prefill_tokens: int
     decode_tokens: int
+    step_seconds: float  # host time inside step(): against the wall time, what the driving loop adds
     preemptions: int
     graph_steps: int  # decode steps replayed from a CUDA graph
     eager_steps: int
@@ -189,7 +190,9 @@ class Engine:
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
         self._generate_ids = itertools.count()
-        self._totals = {"steps": 0, "prefill_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self._totals: dict[str, float] = dict.fromkeys(
+            ("steps", "prefill_steps", "prefill_tokens", "decode_tokens", "step_seconds"), 0
+        )
         self._aborted: list[Request] = []  # aborted by a release or an update, not yet reported
         self._overlap = cfg.overlap_schedule
         if self._overlap is None:  # tensor parallel with overlap has not run on GPUs yet: off there
@@ -327,6 +330,13 @@ class Engine:
         """Run one step of the batch; returns the requests it finished, deltas of streamed ones, and the
         requests a release or weight update aborted since the last step. With overlap_schedule, the
         step's results come back with the next call (the last ones with the call that finds no work)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._totals["step_seconds"] += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         reported = [request_output(r, self.tokenizer) for r in self._aborted] + self._collected
         self._aborted.clear()
         self._collected = []

@@ -61,26 +61,27 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int], repeat
     best = 0.0
     for _ in range(repeats):
         engine.flush_cache()
-        t0 = time.perf_counter()
+        t0, graphs = time.perf_counter(), engine.stats.graph_steps
         done = engine.generate(input_ids=prompts, sampling_params=[params(n) for n in outs], use_tqdm=False)
         seconds = time.perf_counter() - t0
         s = engine.last_stats
         print(
-            f"Engine.generate: {seconds:.3f} s; "
-            f"{steps_line(s['steps'], s['prefill_steps'], s['decode_tokens'], seconds)}",
+            f"Engine.generate: {seconds:.3f} s; {steps_line(s, seconds)}; "
+            f"{engine.stats.graph_steps - graphs} graph steps",
             flush=True,
         )
         best = max(best, sum(len(o.outputs[0].token_ids) for o in done) / seconds)
     return best
 
 
-def steps_line(steps: int, prefill_steps: int, decode_tokens: int, seconds: float) -> str:
+def steps_line(s: dict, seconds: float) -> str:
     """The engine's steps over a run: a served run with more steps, or slower ones, than Engine.generate
-    shows where the time went (admission spread out, or host work between the steps)."""
-    per = max(steps, 1)
+    shows where the time went (admission spread out, slower steps, or time between the steps)."""
+    per, decode_steps = max(s["steps"], 1), max(s["steps"] - s["prefill_steps"], 1)
     return (
-        f"{steps} steps ({prefill_steps} prefill), {decode_tokens / max(steps - prefill_steps, 1):.1f} "
-        f"tokens a decode step, {seconds / per * 1e3:.2f} ms a step"
+        f"{s['steps']} steps ({s['prefill_steps']} prefill), {s['decode_tokens'] / decode_steps:.1f} "
+        f"tokens a decode step, {seconds / per * 1e3:.2f} ms a step; {s['step_seconds']:.3f} s inside "
+        f"the steps ({s['step_seconds'] / per * 1e3:.2f} ms a step)"
     )
 
 
@@ -264,10 +265,10 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
         # span, the clients' start-up left out), they are the limit
         each = [t - t0 for t, t0 in zip(server_cpu(pids), cpu0)]
         after, wall = front.stats, sum(outs) / served
-        steps = after.steps - before.steps
-        prefills = after.prefill_steps - before.prefill_steps
-        decoded = after.decode_tokens - before.decode_tokens
-        print(f"served: {steps_line(steps, prefills, decoded, wall)}", flush=True)
+        keys = ("steps", "prefill_steps", "decode_tokens", "step_seconds")
+        delta = {k: getattr(after, k) - getattr(before, k) for k in keys}
+        graphs = after.graph_steps - before.graph_steps
+        print(f"served: {steps_line(delta, wall)}; {graphs} graph steps", flush=True)
         # one busy process among idle ones means the connections were not shared out evenly
         print("server processes' CPU s: " + ", ".join(f"{t:.2f}" for t in each), flush=True)
         if served > best.get("process_stream_tok_s", 0.0):
