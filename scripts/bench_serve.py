@@ -179,27 +179,31 @@ async def run_clients(
     return sum(outs), t0, t1, [d[1] for d in done], [d[2] for d in done], [d[3] for d in done]
 
 
-def clients_process(url: str, prompts: list, outs: list, clients: int, endpoint: str, start, result) -> None:
+def clients_process(
+    url: str, prompts: list, outs: list, clients: int, endpoint: str, cores: set | None, start, result
+) -> None:
     """Clients in a process of their own, as real clients are: they share no interpreter lock with the
     server (nor, with --client-procs > 1, with each other). Their heap, torch's modules imported with
     this script, is frozen as the server's is: a real client's is small, and its full collections would
     pause the streams."""
+    pin(cores)
     freeze_heap()
     result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, start)))
 
 
 def run_clients_elsewhere(
-    url: str, prompts: list, outs: list, clients: int, endpoint: str, procs: int = 1
+    url: str, prompts: list, outs: list, clients: int, endpoint: str, procs: int = 1, cores: set | None = None
 ) -> float:
     """Output tok/s of the requests streamed by `procs` client processes (request i in process i mod
-    procs, `clients` concurrent streams in all), from the first start to the last end."""
+    procs, `clients` concurrent streams in all; on `cores` when given), from the first start to the
+    last end."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     start, result = ctx.Barrier(procs), ctx.Queue()
     workers = []
     for i in range(procs):
-        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, start, result)
+        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, cores, start, result)
         workers.append(ctx.Process(target=clients_process, args=(url, *share)))
     for w in workers:
         w.start()
@@ -214,6 +218,30 @@ def run_clients_elsewhere(
     named = (("headers", 5), ("first tokens", 3), ("ends", 4))
     print(", ".join(f"{n}: {spread([t - start for f in found for t in f[i]])}" for n, i in named), flush=True)
     return tokens / (max(f[2] for f in found) - start)
+
+
+def split_cores(client_cores: int) -> tuple[set[int] | None, set[int] | None]:
+    """(engine cores, client cores): with client_cores > 0, the client processes get the last
+    `client_cores` cores this process may use and the engine phases the others. Real clients run on
+    other machines; on one host, clients on the engine's cores would slow its host-bound step."""
+    if client_cores <= 0:
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    if client_cores >= len(cores):
+        raise SystemExit(
+            f"--client-cores {client_cores}: this process has {len(cores)} cores; leave the engine one"
+        )
+    return set(cores[:-client_cores]), set(cores[-client_cores:])
+
+
+def pin(cores: set[int] | None) -> None:
+    """Keep this process (and the processes it starts after) on `cores`, with no more CPU threads for
+    torch than that (torch, imported before, counted the host's)."""
+    if cores:
+        import torch
+
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(min(torch.get_num_threads(), len(cores)))
 
 
 def spread(times: list[float]) -> str:
@@ -232,6 +260,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """Engine.generate, then (with --mode thread or both) the same engine served by AsyncEngine."""
+    pin(args.engine_cores)
     engine = Engine(folder, **engine_options(args))
     freeze_heap()  # as the server's processes do: Engine.generate gets no full collections of start-up either
     found = {"engine_generate_tok_s": run_engine(engine, prompts, outs, args.repeats)}
@@ -239,7 +268,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
         engine.flush_cache()  # the served run computes its prompts too
         url, server, _ = serve(AsyncEngine.from_engine(engine, stream_interval=args.stream_interval))
         found["thread_stream_tok_s"] = run_clients_elsewhere(
-            url, prompts, outs, args.clients, args.endpoint, args.client_procs
+            url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores
         )
         server.should_exit = True
     result.put(found)
@@ -247,6 +276,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
 
 def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: list, result) -> None:
     """The server over ProcessAsyncEngine: the engine in a child of this (the server's) process."""
+    pin(args.engine_cores)  # the engine's process and the other server processes start on them too
     front = ProcessAsyncEngine(folder, stream_interval=args.stream_interval, **engine_options(args))
     try:
         url, server, fronts = serve(front, args.api_servers)
@@ -259,7 +289,9 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
         asyncio.run(front.flush_cache())  # every run computes its prompts, as Engine.generate's do
         before = front.stats
         cpu0 = server_cpu(pids)
-        served = run_clients_elsewhere(url, prompts, outs, args.clients, args.endpoint, args.client_procs)
+        served = run_clients_elsewhere(
+            url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores
+        )
         # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
         # the cost of serving a token, whatever the device; near 1 s a second each (over the streams'
         # span, the clients' start-up left out), they are the limit
@@ -342,8 +374,15 @@ def main() -> None:
     )
     ap.add_argument("--stream-interval", type=int, default=1, help="the servers' chunk each N tokens")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each phase; the best of each is compared")
+    ap.add_argument(
+        "--client-cores",
+        type=int,
+        default=0,
+        help="run the client processes on this many cores of their own, the engine phases on the rest",
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    args.engine_cores, args.client_cores = split_cores(args.client_cores)
     missing = [m for m in ("uvicorn", "fastapi", "httpx") if importlib.util.find_spec(m) is None]
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
@@ -368,6 +407,7 @@ def main() -> None:
         "stream_interval": args.stream_interval,
         "mixed_chunk": bool(args.mixed_chunk),
         "endpoint": args.endpoint,
+        "client_cores": len(args.client_cores or ()),
     }
     result |= in_own_process(thread_phase, folder, args, prompts, outs)
     if args.mode in ("process", "both"):

@@ -1,5 +1,6 @@
 """scripts/bench_serve.py end to end on the CPU (tiny model, a few streams): both serving modes, two
-server processes and a stream interval, every stream counted whole, the figures written."""
+server processes, a stream interval and cores of their own for the clients, every stream counted whole,
+the figures written."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ def test_bench_serve_runs_on_the_cpu(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--model", "tiny", "--device", "cpu", "--cuda-graph", "0"]
     cmd += ["--requests", "8", "--clients", "8", "--max-input", "40", "--max-output", "24"]
     cmd += ["--mode", "both", "--api-servers", "2", "--stream-interval", "2", "--json", str(out)]
+    cores = len(os.sched_getaffinity(0))
+    if cores > 1:
+        cmd += ["--client-cores", "1"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "server processes: 2" in proc.stdout
     found = json.loads(out.read_text())
     assert found["api_servers"] == 2 and found["stream_interval"] == 2
+    assert found["client_cores"] == (1 if cores > 1 else 0)
     for key in ("engine_generate_tok_s", "thread_stream_tok_s", "process_stream_tok_s"):
         assert found[key] > 0, key
     assert found["server_cpu_us_per_token"] > 0 and 0 < found["server_cpu_s_per_s"] <= 1.5
