@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 
 import pytest
 from helpers import PROMPTS
@@ -28,16 +29,22 @@ def _tokens(outs) -> list[list[list[int]]]:
 def test_hand_driven_steps_with_arrivals_equal_generate(engine):
     params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
     expected = engine.generate(input_ids=PROMPTS, sampling_params=params)
+    ran = engine.last_stats
+    assert 0 < ran["step_seconds"] <= ran["seconds"]  # generate's loop is its steps
     done, arrivals = {}, list(enumerate(zip(PROMPTS, params)))
     engine.add_request(*_arrival(arrivals.pop(0)))
-    steps = 0
+    steps, inside, before = 0, 0.0, engine.stats.step_seconds
     while engine.has_unfinished() or arrivals:
-        for out in engine.step():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        inside += time.perf_counter() - t0
+        for out in outs:
             assert out.finished and out.request_id not in done
             done[out.request_id] = out
         steps += 1
         if arrivals and steps % 3 == 0:  # new requests join while others run
             engine.add_request(*_arrival(arrivals.pop(0)))
+    assert engine.stats.step_seconds - before == pytest.approx(inside, rel=0.05, abs=1e-3)
     got = [done[f"r{i}"] for i in range(len(PROMPTS))]
     assert _tokens(got) == _tokens(expected)
     for o, e in zip(got, expected):  # other batch mates: the same tokens, logprobs to float rounding
