@@ -30,12 +30,15 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import SHAPES, bench_model  # noqa: E402
+from timeline import Timeline  # noqa: E402
 
 from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
@@ -54,15 +57,20 @@ def params(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.6, max_new_tokens=n, ignore_eos=True)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int], repeats: int) -> float:
+def run_engine(
+    engine: Engine, prompts: list[list[int]], outs: list[int], repeats: int, timeline: bool = False
+) -> float:
     """Output tok/s of Engine.generate over the workload, the best of `repeats` runs (each from an
-    empty prefix cache)."""
+    empty prefix cache); with `timeline`, the engine's progress over each run too."""
     engine.generate(input_ids=prompts[:4], sampling_params=[params(8)] * 4, use_tqdm=False)  # warm-up
     best = 0.0
     for _ in range(repeats):
         engine.flush_cache()
         t0, graphs = time.perf_counter(), engine.stats.graph_steps
-        done = engine.generate(input_ids=prompts, sampling_params=[params(n) for n in outs], use_tqdm=False)
+        with Timeline(lambda: engine.stats) if timeline else nullcontext() as line:
+            done = engine.generate(
+                input_ids=prompts, sampling_params=[params(n) for n in outs], use_tqdm=False
+            )
         seconds = time.perf_counter() - t0
         s = engine.last_stats
         print(
@@ -70,6 +78,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], outs: list[int], repeat
             f"{engine.stats.graph_steps - graphs} graph steps",
             flush=True,
         )
+        if line is not None:
+            print(line.table(), flush=True)
         best = max(best, sum(len(o.outputs[0].token_ids) for o in done) / seconds)
     return best
 
@@ -134,11 +144,11 @@ def stop(server: object, fronts: list) -> None:
 
 
 async def run_clients(
-    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, start=None
+    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, gates: tuple = ()
 ) -> tuple[int, float, float, list, list, list]:
     """Stream every request, `clients` at a time; (tokens received, start, end, and per request when its
     first token came, when it ended and when its response headers came) on the monotonic clock,
-    the start after a warm-up request and, with `start` (a barrier), once every client process is ready."""
+    the start after a warm-up request and after passing each barrier of `gates` in turn."""
     import httpx
 
     gate = asyncio.Semaphore(clients)
@@ -168,9 +178,9 @@ async def run_clients(
             return count, first, time.monotonic(), heard
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
-        await one(ac, prompts[0], 8)  # warm-up
-        if start is not None:
-            start.wait()
+        await one(ac, prompts[0][:32][::-1], 8)  # warm-up, with a prompt that leaves no cached prefix
+        for gate_ in gates:  # every client process warmed up; the parent read the engine's counts
+            gate_.wait(900)
         t0 = time.monotonic()
         done = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
         t1 = time.monotonic()
@@ -180,7 +190,7 @@ async def run_clients(
 
 
 def clients_process(
-    url: str, prompts: list, outs: list, clients: int, endpoint: str, cores: set | None, start, result
+    url: str, prompts: list, outs: list, clients: int, endpoint: str, cores: set | None, gates, result
 ) -> None:
     """Clients in a process of their own, as real clients are: they share no interpreter lock with the
     server (nor, with --client-procs > 1, with each other). Their heap, torch's modules imported with
@@ -188,25 +198,41 @@ def clients_process(
     pause the streams."""
     pin(cores)
     freeze_heap()
-    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, start)))
+    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, gates)))
 
 
 def run_clients_elsewhere(
-    url: str, prompts: list, outs: list, clients: int, endpoint: str, procs: int = 1, cores: set | None = None
-) -> float:
+    url: str,
+    prompts: list,
+    outs: list,
+    clients: int,
+    endpoint: str,
+    procs: int = 1,
+    cores: set | None = None,
+    at_start: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """Output tok/s of the requests streamed by `procs` client processes (request i in process i mod
     procs, `clients` concurrent streams in all; on `cores` when given), from the first start to the
-    last end."""
+    last end; and that start (monotonic clock). `at_start` runs here once every client process has
+    warmed up, before they start (the engine is idle then: its counts from there on are the run's)."""
     import multiprocessing as mp
+    from threading import BrokenBarrierError
 
     ctx = mp.get_context("spawn")
-    start, result = ctx.Barrier(procs), ctx.Queue()
+    gates, result = (ctx.Barrier(procs + 1), ctx.Barrier(procs + 1)), ctx.Queue()
     workers = []
     for i in range(procs):
-        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, cores, start, result)
+        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, cores, gates, result)
         workers.append(ctx.Process(target=clients_process, args=(url, *share)))
     for w in workers:
         w.start()
+    try:
+        gates[0].wait(600)
+        if at_start is not None:
+            at_start()
+        gates[1].wait(60)
+    except BrokenBarrierError:
+        pass  # a client process failed: wait_results says how
     try:
         found = wait_results(workers, result, 1800)
     finally:
@@ -217,7 +243,7 @@ def run_clients_elsewhere(
     # the first start (monotonic clock, shared by the host): late headers mean slow admission
     named = (("headers", 5), ("first tokens", 3), ("ends", 4))
     print(", ".join(f"{n}: {spread([t - start for f in found for t in f[i]])}" for n, i in named), flush=True)
-    return tokens / (max(f[2] for f in found) - start)
+    return tokens / (max(f[2] for f in found) - start), start
 
 
 def split_cores(client_cores: int) -> tuple[set[int] | None, set[int] | None]:
@@ -263,11 +289,11 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
     pin(args.engine_cores)
     engine = Engine(folder, **engine_options(args))
     freeze_heap()  # as the server's processes do: Engine.generate gets no full collections of start-up either
-    found = {"engine_generate_tok_s": run_engine(engine, prompts, outs, args.repeats)}
+    found = {"engine_generate_tok_s": run_engine(engine, prompts, outs, args.repeats, args.timeline)}
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
         url, server, _ = serve(AsyncEngine.from_engine(engine, stream_interval=args.stream_interval))
-        found["thread_stream_tok_s"] = run_clients_elsewhere(
+        found["thread_stream_tok_s"], _ = run_clients_elsewhere(
             url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores
         )
         server.should_exit = True
@@ -287,11 +313,16 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
     best: dict = {}
     for _ in range(args.repeats):
         asyncio.run(front.flush_cache())  # every run computes its prompts, as Engine.generate's do
-        before = front.stats
-        cpu0 = server_cpu(pids)
-        served = run_clients_elsewhere(
-            url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores
-        )
+        counts: list = []  # the engine's counts and the server processes' CPU as the clients start
+
+        def mark(counts: list = counts) -> None:
+            counts += [front.stats, server_cpu(pids)]
+
+        with Timeline(lambda: front.stats) if args.timeline else nullcontext() as line:
+            served, start = run_clients_elsewhere(
+                url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores, mark
+            )
+        before, cpu0 = counts
         # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
         # the cost of serving a token, whatever the device; near 1 s a second each (over the streams'
         # span, the clients' start-up left out), they are the limit
@@ -301,6 +332,8 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
         delta = {k: getattr(after, k) - getattr(before, k) for k in keys}
         graphs = after.graph_steps - before.graph_steps
         print(f"served: {steps_line(delta, wall)}; {graphs} graph steps", flush=True)
+        if line is not None:  # from the clients' start, as the headers and first tokens above
+            print(line.table(start, before), flush=True)
         # one busy process among idle ones means the connections were not shared out evenly
         print("server processes' CPU s: " + ", ".join(f"{t:.2f}" for t in each), flush=True)
         if served > best.get("process_stream_tok_s", 0.0):
@@ -379,6 +412,11 @@ def main() -> None:
         type=int,
         default=0,
         help="run the client processes on this many cores of their own, the engine phases on the rest",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each run's steps, running and waiting requests over time",
     )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """scripts/bench_serve.py end to end on the CPU (tiny model, a few streams): both serving modes, two
-server processes, a stream interval and cores of their own for the clients, every stream counted whole,
-the figures written."""
+server processes, a stream interval, cores of their own for the clients and timelines, every stream
+counted whole, the figures written."""
 
 from __future__ import annotations
 
@@ -17,7 +17,17 @@ def test_bench_serve_runs_on_the_cpu(tmp_path):
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(SCRIPT), "--model", "tiny", "--device", "cpu", "--cuda-graph", "0"]
     cmd += ["--requests", "8", "--clients", "8", "--max-input", "40", "--max-output", "24"]
-    cmd += ["--mode", "both", "--api-servers", "2", "--stream-interval", "2", "--json", str(out)]
+    cmd += [
+        "--mode",
+        "both",
+        "--api-servers",
+        "2",
+        "--stream-interval",
+        "2",
+        "--json",
+        str(out),
+        "--timeline",
+    ]
     cores = len(os.sched_getaffinity(0))
     if cores > 1:
         cmd += ["--client-cores", "1"]
@@ -25,6 +35,13 @@ def test_bench_serve_runs_on_the_cpu(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "server processes: 2" in proc.stdout
+    # a timeline for each Engine.generate run and each served one, its steps those of the run's line
+    assert proc.stdout.count("t s | steps | prefill | inside s | running | waiting") == 2
+    served = next(line for line in proc.stdout.splitlines() if line.startswith("served: "))
+    steps = int(served.split()[1])
+    rows = [line.split("|") for line in proc.stdout.split("t s | steps")[-1].splitlines()[1:]]
+    last = [r for r in rows if len(r) == 6][-1]  # the served run's table ends its output's tables
+    assert int(last[1]) == steps
     found = json.loads(out.read_text())
     assert found["api_servers"] == 2 and found["stream_interval"] == 2
     assert found["client_cores"] == (1 if cores > 1 else 0)
