@@ -144,11 +144,11 @@ def stop(server: object, fronts: list) -> None:
 
 
 async def run_clients(
-    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, gates: tuple = ()
+    url: str, prompts: list[list[int]], outs: list[int], clients: int, endpoint: str, warm=None
 ) -> tuple[int, float, float, list, list, list]:
     """Stream every request, `clients` at a time; (tokens received, start, end, and per request when its
     first token came, when it ended and when its response headers came) on the monotonic clock,
-    the start after a warm-up request and after passing each barrier of `gates` in turn."""
+    the start after a warm-up request and, with `warm`, once `warm()` has returned."""
     import httpx
 
     gate = asyncio.Semaphore(clients)
@@ -179,8 +179,8 @@ async def run_clients(
 
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as ac:
         await one(ac, prompts[0][:32][::-1], 8)  # warm-up, with a prompt that leaves no cached prefix
-        for gate_ in gates:  # every client process warmed up; the parent read the engine's counts
-            gate_.wait(900)
+        if warm is not None:
+            warm()
         t0 = time.monotonic()
         done = await asyncio.gather(*(one(ac, p, n) for p, n in zip(prompts, outs)))
         t1 = time.monotonic()
@@ -190,7 +190,7 @@ async def run_clients(
 
 
 def clients_process(
-    url: str, prompts: list, outs: list, clients: int, endpoint: str, cores: set | None, gates, result
+    url: str, prompts: list, outs: list, clients: int, endpoint: str, cores: set | None, ready, go, result
 ) -> None:
     """Clients in a process of their own, as real clients are: they share no interpreter lock with the
     server (nor, with --client-procs > 1, with each other). Their heap, torch's modules imported with
@@ -198,7 +198,12 @@ def clients_process(
     pause the streams."""
     pin(cores)
     freeze_heap()
-    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, gates)))
+
+    def warm() -> None:  # tell the parent, then start with every other client process
+        ready.put(None)
+        go.wait(900)
+
+    result.put(asyncio.run(run_clients(url, prompts, outs, clients, endpoint, warm)))
 
 
 def run_clients_elsewhere(
@@ -216,24 +221,20 @@ def run_clients_elsewhere(
     last end; and that start (monotonic clock). `at_start` runs here once every client process has
     warmed up, before they start (the engine is idle then: its counts from there on are the run's)."""
     import multiprocessing as mp
-    from threading import BrokenBarrierError
 
     ctx = mp.get_context("spawn")
-    gates, result = (ctx.Barrier(procs + 1), ctx.Barrier(procs + 1)), ctx.Queue()
+    ready, go, result = ctx.Queue(), ctx.Event(), ctx.Queue()
     workers = []
     for i in range(procs):
-        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, cores, gates, result)
-        workers.append(ctx.Process(target=clients_process, args=(url, *share)))
+        share = (prompts[i::procs], outs[i::procs], max(1, clients // procs), endpoint, cores)
+        workers.append(ctx.Process(target=clients_process, args=(url, *share, ready, go, result)))
     for w in workers:
         w.start()
     try:
-        gates[0].wait(600)
+        wait_results(workers, ready, 600)  # every client warmed up (a failed one fails the run here)
         if at_start is not None:
             at_start()
-        gates[1].wait(60)
-    except BrokenBarrierError:
-        pass  # a client process failed: wait_results says how
-    try:
+        go.set()
         found = wait_results(workers, result, 1800)
     finally:
         for w in workers:
