@@ -1,4 +1,4 @@
-"""Oracles from transformers, used by several test files."""
+"""Oracles from transformers, and a driver of arrivals, used by several test files."""
 
 from __future__ import annotations
 
@@ -27,3 +27,21 @@ def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: fl
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20] * 10, list(range(30, 67)), [3]]
+
+
+def arrive_one_a_step(engine, requests: list[tuple], every: int = 1) -> tuple[dict, dict, int]:
+    """Drive `engine` with `requests` ((request_id, input_ids, params) each) arriving one before every
+    `every`-th step, from the first. Returns each request's output, the step that reported it, and the
+    prefill steps that also decoded (mixed steps); the engine ends with nothing in flight, pages free."""
+    done, ended, mixed, step, todo = {}, {}, 0, 0, list(requests)
+    while engine.has_unfinished() or todo:
+        if todo and step % every == 0:
+            engine.add_request(*todo.pop(0))
+        before = engine.stats
+        for out in engine.step():
+            done[out.request_id], ended[out.request_id] = out, step
+        after = engine.stats
+        mixed += after.prefill_steps > before.prefill_steps and after.decode_tokens > before.decode_tokens
+        step += 1
+    assert engine.stats.requests == 0 and engine.stats.pages_free == engine.stats.pages_total
+    return done, ended, mixed

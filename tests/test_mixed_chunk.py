@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROMPTS
+from helpers import PROMPTS, arrive_one_a_step
 
 from rollout import Engine, SamplingParams
 from rollout.models.config import ModelConfig
@@ -28,17 +28,10 @@ def params() -> list[SamplingParams]:
     ]
 
 
-def arrive_one_a_step(engine: Engine, prompts: list[list[int]]) -> tuple[dict, dict]:
-    """Request i arrives before step i; returns each request's output and the step that reported it."""
-    done, ended, step = {}, {}, 0
-    todo = [(f"r{i}", p, params()[i % 5]) for i, p in enumerate(prompts)]
-    while engine.has_unfinished() or todo:
-        if todo:
-            engine.add_request(*todo.pop(0))
-        for out in engine.step():
-            done[out.request_id], ended[out.request_id] = out, step
-        step += 1
-    assert engine.stats.requests == 0 and engine.stats.pages_free == engine.stats.pages_total
+def arrive(engine: Engine, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """Request i (the params of `params()` in turn) arrives before step i; returns each request's output
+    and the step that reported it."""
+    done, ended, _ = arrive_one_a_step(engine, [(f"r{i}", q, params()[i % 5]) for i, q in enumerate(prompts)])
     return done, ended
 
 
@@ -54,7 +47,7 @@ def test_arrivals_one_by_one_equal_the_unmixed_schedule_and_stall_nobody(qwen3_d
     runs, ends, counts = [], [], []
     for mixed in (False, True):
         engine = Engine(qwen3_dir, **ENGINE, overlap_schedule=overlap, mixed_chunk=mixed)
-        done, ended = arrive_one_a_step(engine, PROMPTS * 3)
+        done, ended = arrive(engine, PROMPTS * 3)
         runs.append(done), ends.append(ended)
         counts.append((engine.stats.prefill_steps, engine.stats.decode_tokens))
     assert comparable(runs[0]) == comparable(runs[1])
@@ -100,14 +93,7 @@ def test_a_full_pool_leaves_riders_for_the_decode_step_that_preempts(qwen3_dir):
     runs = []
     for mixed in (False, True):
         engine = Engine(qwen3_dir, **small, mixed_chunk=mixed)
-        done, step = {}, 0
-        todo = [(f"r{i}", q, p) for i, q in enumerate(prompts)]
-        while engine.has_unfinished() or todo:
-            if todo and step % 3 == 0:
-                engine.add_request(*todo.pop(0))
-            for out in engine.step():
-                done[out.request_id] = out
-            step += 1
+        done, _, _ = arrive_one_a_step(engine, [(f"r{i}", q, p) for i, q in enumerate(prompts)], every=3)
         assert engine.stats.preemptions > 0
         runs.append(comparable(done))
     assert runs[0] == runs[1]
@@ -131,16 +117,7 @@ def test_mixed_steps_at_a_real_shape_match_transformers(tmp_path):
     prompts = cf.default_prompts(vocab, [300, 37, 129, 5, 211], seed=2)
     p = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, logprobs=True)
     engine = Engine(folder, device="cpu", page_size=16, max_total_tokens=4096, max_prefill_tokens=128)
-    todo, done = [(f"r{i}", q, p) for i, q in enumerate(prompts)], {}
-    mixed = 0  # prefill steps that also decoded
-    while engine.has_unfinished() or todo:
-        if todo:
-            engine.add_request(*todo.pop(0))
-        before = engine.stats
-        for out in engine.step():
-            done[out.request_id] = out
-        after = engine.stats
-        mixed += after.prefill_steps > before.prefill_steps and after.decode_tokens > before.decode_tokens
+    done, _, mixed = arrive_one_a_step(engine, [(f"r{i}", q, p) for i, q in enumerate(prompts)])
     assert mixed >= 2  # decoding rows rode in prefill steps
     del engine
     hf = cf.load_hf(folder, torch.float32, "cpu")
