@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -214,12 +215,13 @@ def run_clients_elsewhere(
     endpoint: str,
     procs: int = 1,
     cores: set | None = None,
-    at_start: Callable[[], None] | None = None,
-) -> tuple[float, float]:
+    at_start: Callable[[], Any] | None = None,
+) -> tuple[float, float, Any]:
     """Output tok/s of the requests streamed by `procs` client processes (request i in process i mod
     procs, `clients` concurrent streams in all; on `cores` when given), from the first start to the
-    last end; and that start (monotonic clock). `at_start` runs here once every client process has
-    warmed up, before they start (the engine is idle then: its counts from there on are the run's)."""
+    last end; that start (monotonic clock); and what `at_start` returned. It runs here once every client
+    process has warmed up, before they start (the engine is idle then: its counts from there on are the
+    run's)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -232,8 +234,7 @@ def run_clients_elsewhere(
         w.start()
     try:
         wait_results(workers, ready, 600)  # every client warmed up (a failed one fails the run here)
-        if at_start is not None:
-            at_start()
+        marked = at_start() if at_start is not None else None
         go.set()
         found = wait_results(workers, result, 1800)
     finally:
@@ -244,7 +245,7 @@ def run_clients_elsewhere(
     # the first start (monotonic clock, shared by the host): late headers mean slow admission
     named = (("headers", 5), ("first tokens", 3), ("ends", 4))
     print(", ".join(f"{n}: {spread([t - start for f in found for t in f[i]])}" for n, i in named), flush=True)
-    return tokens / (max(f[2] for f in found) - start), start
+    return tokens / (max(f[2] for f in found) - start), start, marked
 
 
 def split_cores(client_cores: int) -> tuple[set[int] | None, set[int] | None]:
@@ -294,7 +295,7 @@ def thread_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: li
     if args.mode in ("thread", "both"):
         engine.flush_cache()  # the served run computes its prompts too
         url, server, _ = serve(AsyncEngine.from_engine(engine, stream_interval=args.stream_interval))
-        found["thread_stream_tok_s"], _ = run_clients_elsewhere(
+        found["thread_stream_tok_s"], _, _ = run_clients_elsewhere(
             url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores
         )
         server.should_exit = True
@@ -314,16 +315,18 @@ def process_phase(folder: Path, args: argparse.Namespace, prompts: list, outs: l
     best: dict = {}
     for _ in range(args.repeats):
         asyncio.run(front.flush_cache())  # every run computes its prompts, as Engine.generate's do
-        counts: list = []  # the engine's counts and the server processes' CPU as the clients start
-
-        def mark(counts: list = counts) -> None:
-            counts += [front.stats, server_cpu(pids)]
-
         with Timeline(lambda: front.stats) if args.timeline else nullcontext() as line:
-            served, start = run_clients_elsewhere(
-                url, prompts, outs, args.clients, args.endpoint, args.client_procs, args.client_cores, mark
+            # the engine's counts and the server processes' CPU, read as the clients start
+            served, start, (before, cpu0) = run_clients_elsewhere(
+                url,
+                prompts,
+                outs,
+                args.clients,
+                args.endpoint,
+                args.client_procs,
+                args.client_cores,
+                at_start=lambda: (front.stats, server_cpu(pids)),
             )
-        before, cpu0 = counts
         # the server processes' own CPU time (their threads, not the engine's process nor the clients'):
         # the cost of serving a token, whatever the device; near 1 s a second each (over the streams'
         # span, the clients' start-up left out), they are the limit

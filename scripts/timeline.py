@@ -34,8 +34,7 @@ class Timeline:
         self.rows.append((time.monotonic(), self._sample()))
 
     def _sample(self) -> dict[str, float]:
-        s = self.read()
-        return {k: getattr(s, k) for k in FIELDS}
+        return _fields(self.read())
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
@@ -46,7 +45,7 @@ class Timeline:
         idle: steps, prefill steps and seconds inside the steps since then (counted from `base`, the
         stats read at `origin`; default: the block's start), and the requests running and waiting."""
         origin = self._t0 if origin is None else origin
-        base = self._first if base is None else {k: getattr(base, k) for k in FIELDS}
+        base = self._first if base is None else _fields(base)
         rows = [(t - origin, row) for t, row in self.rows if t > origin]
         while len(rows) > 1 and rows[-2][1]["steps"] == rows[-1][1]["steps"]:
             rows.pop()  # idle at the end (the clients exiting)
@@ -62,3 +61,7 @@ class Timeline:
             while mark <= t:
                 mark += step
         return "\n".join(lines)
+
+
+def _fields(stats: Any) -> dict[str, float]:
+    return {k: getattr(stats, k) for k in FIELDS}
