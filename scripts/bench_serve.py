@@ -4,7 +4,9 @@ beside the same workload through Engine.generate; prints output tok/s and the ra
 The workload: 256 requests with random prompt tokens, input lengths 100-1024 and output lengths 100-512
 (fixed seed), temperature 0.6, ignore_eos. Each client streams its request over SSE (/generate with
 stream=true with --endpoint generate; by default /v1/completions deltas) from a separate
-process on 127.0.0.1 and counts the tokens it receives.
+process on 127.0.0.1 and counts the tokens it receives. With --requests above --clients, each client
+streams its requests one after another, and both phases run --clients requests at a time (the
+engine's max_running_requests): a steady load, where the start and the tail weigh less.
 
 Serving modes (--mode, default both):
 - thread: AsyncEngine, the step loop in a thread of the server's process (the engine Engine.generate
@@ -281,7 +283,9 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(
         device=args.device,
         cuda_graph=bool(args.cuda_graph),
-        max_running_requests=256,
+        # Engine.generate runs as many requests at once as the served run's clients do (with --requests
+        # above --clients, both run --clients at a time)
+        max_running_requests=args.clients,
         mixed_chunk=bool(args.mixed_chunk),
     )
 
