@@ -90,3 +90,32 @@ def test_an_update_crosses_the_pipe_whole():
     back = pickle.loads(ForkingPickler.dumps(update))
     assert back == update and all(type(d) is TokenDelta for d in back.tokens)
     assert back.replies[0].value == {"x": 1} and back.failed == ["c"]
+
+
+def test_the_sender_never_waits_for_a_parent_that_stops_reading():
+    """Small updates are written at once while the socket has room; once it has none (the parent reads
+    nothing), and for large ones, the thread writes: `send` returns at once either way, and the parent
+    later reads every update whole and in order."""
+    from rollout.outputs import TokenDelta
+    from rollout.wire import Update
+
+    def update(rid: str, n: int) -> Update:
+        return Update(tokens=[TokenDelta(rid, 0, list(range(n)), None, None, [0] * n, None, None, None)])
+
+    parent, child = mp.Pipe()
+    sender = W._Sender(child)
+    sent, deadline = [], time.monotonic() + 30
+    while sender.free(wait=False):  # the socket fills up with small updates, then the thread blocks
+        assert time.monotonic() < deadline, "the socket never filled"
+        sent.append(update(f"r{len(sent)}", 500))
+        t = time.monotonic()
+        sender.send(sent[-1])
+        assert time.monotonic() - t < 1.0, "send waited for the parent"
+    assert len(sent) > 3  # some went at once before the thread took one
+    got = [parent.recv() for _ in sent]  # reading lets the thread finish
+    assert sender.free(wait=True)
+    big = update("big", W.DIRECT_BYTES)
+    sender.send(big)  # larger than DIRECT_BYTES: the thread's
+    got.append(parent.recv())
+    assert got == [*sent, big]
+    sender.close()
