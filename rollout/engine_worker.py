@@ -351,9 +351,9 @@ class _Sender:
                 self._ready.wait_for(lambda: self._next is not None or self._closing)
                 if self._next is None:
                     return  # closing, nothing left
-                update, self._next, self._busy = self._next, None, True
+                buf, self._next, self._busy = self._next, None, True
             try:
-                self.conn.send_bytes(update)
+                self.conn.send_bytes(buf)
             except (OSError, EOFError, ValueError):
                 self.broken = True
             with self._ready:

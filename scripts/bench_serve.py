@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import SHAPES, bench_model  # noqa: E402
+from models import SHAPES, model_folder  # noqa: E402
 from timeline import Timeline  # noqa: E402
 
 from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
@@ -434,12 +434,7 @@ def main() -> None:
         ap.error("--repeats must be >= 1")
     if missing:
         ap.error(f"{', '.join(missing)} not installed: pip install 'rollout[serve]' httpx")
-    if args.model == "tiny":
-        from rollout.toy import default_model_dir
-
-        folder = default_model_dir()
-    else:
-        folder = bench_model(args.model) if args.model in SHAPES else Path(args.model)
+    folder = model_folder(args.model)
     mc = ModelConfig.from_path(folder)
     max_in = min(args.max_input, mc.max_position_embeddings - args.max_output)
     prompts, outs = workload(mc.vocab_size, args.seed, args.requests, max_in, args.max_output)

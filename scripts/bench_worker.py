@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
-import random
 import sys
 import time
 from pathlib import Path
@@ -25,17 +23,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import SHAPES, bench_model  # noqa: E402
+from bench_serve import in_own_process, workload  # noqa: E402
+from models import SHAPES, model_folder  # noqa: E402
 
 from rollout import Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
 
 COUNTS = ("steps", "prefill_steps", "step_seconds")
-
-
-def prompts_for(vocab: int, num: int, max_in: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [[rng.randrange(1, vocab) for _ in range(rng.randint(max_in // 4, max_in))] for _ in range(num)]
 
 
 def line(name: str, before, after, seconds: float, tokens: int) -> float:
@@ -89,19 +83,6 @@ def run_streamed(folder: str, opts: dict, prompts: Prompts, sp: SamplingParams, 
     q.put(asyncio.run(main()))
 
 
-def in_process(target, *args) -> float:
-    """Each phase in a process of its own, so two engines never hold the device at once."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    best = q.get()
-    p.join()
-    if p.exitcode != 0:
-        raise SystemExit(f"{target.__name__} exited with status {p.exitcode}")
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-0.5b", help=f"a folder, 'tiny', or one of {sorted(SHAPES)}")
@@ -113,18 +94,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.requests < 1 or args.max_input < 4 or args.max_output < 1 or args.repeats < 1:
         raise SystemExit("--requests, --max-output and --repeats must be positive, --max-input at least 4")
-    if args.model == "tiny":
-        from rollout.toy import default_model_dir
-
-        folder = default_model_dir()
-    else:
-        folder = bench_model(args.model) if args.model in SHAPES else Path(args.model)
+    folder = model_folder(args.model)
     vocab = ModelConfig.from_path(folder).vocab_size
-    prompts = prompts_for(vocab, args.requests, args.max_input)
+    # its prompts; every request makes --max-output tokens (the workload's lengths are not used)
+    prompts, _ = workload(vocab, 0, args.requests, args.max_input, args.max_output)
     sp = SamplingParams(temperature=0.6, max_new_tokens=args.max_output, ignore_eos=True)
     opts = dict(device=args.device, max_running_requests=args.requests)
-    gen = in_process(run_generate, str(folder), opts, prompts, sp, args.repeats)
-    streamed = in_process(run_streamed, str(folder), opts, prompts, sp, args.repeats)
+    # each phase in a process of its own, so two engines never hold the device at once
+    gen = in_own_process(run_generate, str(folder), opts, prompts, sp, args.repeats)
+    streamed = in_own_process(run_streamed, str(folder), opts, prompts, sp, args.repeats)
     print(f"streamed / Engine.generate output tok/s: {streamed:,.0f} / {gen:,.0f} = {streamed / gen:.3f}")
 
 

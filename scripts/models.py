@@ -73,6 +73,16 @@ def bench_model(name: str, folder: Path | None = None) -> Path:
     return folder
 
 
+def model_folder(name: str) -> Path:
+    """A benchmark's --model: `tiny` as the built-in model, a shape of SHAPES as its random checkpoint,
+    anything else as a checkpoint folder."""
+    if name == "tiny":
+        from rollout.toy import default_model_dir
+
+        return default_model_dir()
+    return bench_model(name) if name in SHAPES else Path(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", default=list(SHAPES), help=f"{sorted(SHAPES)}, or NAME-thin")
