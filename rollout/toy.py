@@ -18,7 +18,11 @@ ARCH_CONFIGS = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
+# the sparse blocks of the tiny MoE models: enough experts that top-k is a real choice
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 def build_tokenizer(folder: str | Path) -> Any:
@@ -60,10 +64,14 @@ def tiny_config(arch: str = "qwen3", *, vocab_size: int | None = None, **overrid
         eos_token_id=2,
         pad_token_id=0,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         base["head_dim"] = 32
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2_moe"):
         base["use_sliding_window"] = False
+    if arch.endswith("_moe"):
+        base.update(MOE, norm_topk_prob=arch == "qwen3_moe")
+    if arch == "qwen2_moe":
+        base["shared_expert_intermediate_size"] = 48
     if arch == "mistral":
         base["sliding_window"] = None
     base.update(overrides)
@@ -103,8 +111,8 @@ def _spread_weights(model: Any) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5 / p.shape[1] ** 0.5 * 4)
+            if p.dim() >= 2:  # matrices, and stacks of them (an MoE's fused experts)
+                p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 * 4)
             elif "norm" in name:
                 p.uniform_(0.8, 1.2)
             else:

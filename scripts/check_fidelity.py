@@ -120,6 +120,30 @@ PUBLISHED: dict[str, dict] = {
         "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768,
     },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+        "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+        "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+        "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192,
+        "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408,
+        "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+        "num_hidden_layers": 24, "num_key_value_heads": 16, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 5632, "sliding_window": 32768, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0", "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
 # fmt: on
 # Qwen2.5's long-context setting (its model cards: factor 4 over the native 32768 positions)
@@ -173,7 +197,8 @@ def _fill_random(model, seed: int, std: float, chunk: int = 1 << 24) -> None:
             if "norm" in name:
                 part.uniform_(0.8, 1.2, generator=gen)
             else:
-                part.normal_(0.0, std if p.dim() == 2 else 0.1, generator=gen)
+                # matrices and stacks of them (an MoE's fused experts) at the init scale
+                part.normal_(0.0, std if p.dim() >= 2 else 0.1, generator=gen)
             flat[i : i + part.numel()].copy_(part)
 
 

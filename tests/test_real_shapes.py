@@ -37,6 +37,8 @@ CASES = {
     "qwen3-8b": (1, "published"),
     "llama-3.1-8b": (1, "published"),  # llama3 rope scaling
     "mistral-7b-v0.1": (1, "published"),  # sliding_window 4096
+    "qwen3-30b-a3b": (1, "published"),  # 128 experts, top-8, renormalised (tests/test_moe_real.py: routes)
+    "qwen1.5-moe-a2.7b": (1, "published"),  # 60 experts, top-4, a shared expert with a sigmoid gate
 }
 PROMPT_LEN, NEW_TOKENS = 1040, 8
 pytestmark = pytest.mark.slow  # minutes, not seconds: still run by default (deselect with -m "not slow")

@@ -135,3 +135,29 @@ class RowLinear(nn.Module):
     def read(self, param: str, shard: Shard) -> torch.Tensor:
         data = getattr(self, param).data
         return self.tp.all_gather(data, dim=1) if param == "weight" else data
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every TP rank: small matrices every rank needs in full (an MoE
+    router's [experts, hidden], a shared expert's [1, hidden] gate)."""
+
+    shard_names = (None,)
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def hf_shape(self, param: str, shard: Shard) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    def copy_pair(self, param: str, shard: Shard, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight.data, full
+
+    def load(self, param: str, shard: Shard, full: torch.Tensor) -> None:
+        self.weight.data.copy_(full)
+
+    def read(self, param: str, shard: Shard) -> torch.Tensor:
+        return self.weight.data

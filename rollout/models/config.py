@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.layers.moe import MoeSpec
 from rollout.models.registry import MODELS
 
 # Shape fields with no sensible default: a config.json without one is broken, not "default-sized"
 # (transformers would silently fill in e.g. hidden_size=4096 and the weights would not fit).
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")  # fmt: skip
-QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    moe: MoeSpec | None = None  # the sparse blocks' shape, for mixture-of-experts models
+    moe_layers: tuple[int, ...] = ()  # the decoder layers whose feed-forward block is sparse
     # the transformers config itself: RoPE tables are computed from it by transformers' own functions
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -91,6 +95,7 @@ class ModelConfig:
         # Mistral has none, whatever the file says)
         attn_bias = bool(getattr(hf, "attention_bias", False)) and arch != "MistralForCausalLM"
         qwen2 = arch == "Qwen2ForCausalLM"
+        moe, moe_layers = moe_spec(hf, source)
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -105,24 +110,54 @@ class ModelConfig:
             rope_scaling=None if kind == "default" else dict(params, rope_type=kind),
             max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(hf.tie_word_embeddings),
-            qkv_bias=qwen2 or attn_bias,
+            # Qwen2-MoE reads `qkv_bias` (default true) and never biases o_proj
+            qkv_bias=qwen2 or attn_bias or arch == "Qwen2MoeForCausalLM" and bool(hf.qkv_bias),
             o_bias=attn_bias and not qwen2,
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in QK_NORM,
             sliding_window=_sliding_window(hf, arch),
             eos_token_ids=_eos_ids(hf.eos_token_id, generation),
             torch_dtype=_dtype_name(hf),
+            moe=moe,
+            moe_layers=moe_layers,
             hf_config=hf,
         )
 
     @property
     def tp_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits (the vocabulary is padded instead)."""
-        return {
+        sizes = {
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "intermediate_size": self.intermediate_size,
         }
+        if self.moe is not None:
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+            if self.moe.shared_intermediate_size:
+                sizes["shared_expert_intermediate_size"] = self.moe.shared_intermediate_size
+        return sizes
+
+
+def moe_spec(hf: Any, source: str) -> tuple[MoeSpec | None, tuple[int, ...]]:
+    """The experts' shape and the sparse layers, by transformers' Qwen-MoE rule: layer i is sparse
+    unless it is in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`."""
+    experts = getattr(hf, "num_experts", None) or 0
+    if not experts:
+        return None, ()
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    layers = tuple(i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    try:
+        spec = MoeSpec(
+            num_experts=experts,
+            top_k=hf.num_experts_per_tok,
+            intermediate_size=hf.moe_intermediate_size,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            shared_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    return spec, layers
 
 
 def check_fields(cfg: dict[str, Any], source: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rollout.attention.base import ForwardContext
@@ -17,6 +16,7 @@ from rollout.layers import fused
 from rollout.layers.embedding import LMHead, VocabEmbedding
 from rollout.layers.fused import use_fused
 from rollout.layers.linear import ColumnLinear, RowLinear
+from rollout.layers.mlp import GatedMLP
 from rollout.layers.norm import RMSNorm
 from rollout.layers.rotary import Rotary
 from rollout.models.config import ModelConfig
@@ -77,61 +77,70 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device):
-        super().__init__()
-        I = cfg.intermediate_size  # noqa: E741
-        self.local_inter = tp.shard(I, "intermediate_size")
-        self.gate_up_proj = ColumnLinear(
-            cfg.hidden_size, [I, I], bias=cfg.mlp_bias, shard_names=[0, 1], tp=tp, dtype=dtype, device=device
+        super().__init__(
+            cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, device=device
         )
-        self.down_proj = RowLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, device=device)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(h)
-        if use_fused(gate_up):
-            return self.down_proj(fused.silu_mul(gate_up))
-        gate, up = gate_up.split(self.local_inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device):
         super().__init__()
         self.self_attn = Attention(cfg, layer, tp, dtype, device)
-        self.mlp = MLP(cfg, tp, dtype, device)
+        self.mlp = self.make_mlp(cfg, layer, tp, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device) -> nn.Module:
+        """This layer's feed-forward block (a subclass swaps in a sparse one)."""
+        return MLP(cfg, tp, dtype, device)
+
+    def attend(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed input of the feed-forward block, the residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        return self.post_attention_layernorm(self.self_attn(h, cos_sin, ctx), residual)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next norm adds them."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos_sin, ctx), residual)
+        h, residual = self.attend(h, residual, cos_sin, ctx)
         return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device, max_positions: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device,
+        max_positions: int,
+        layer_class: type[DecoderLayer] = DecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, dtype, device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp, dtype, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
         self.rotary = Rotary(cfg.head_dim, max_positions, device=device, hf_config=cfg.hf_config)
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer  # a model family with other blocks sets its own
+
     def __init__(
         self, cfg: ModelConfig, *, dtype: torch.dtype, device, max_positions: int, tp: TPGroup = SINGLE
     ):
         super().__init__()
         self.config, self.tp = cfg, tp
         self._resolved: dict[str, tuple[nn.Module, str, Any] | None] = {}
-        self.model = Backbone(cfg, tp, dtype, device, max_positions)
+        self.model = Backbone(cfg, tp, dtype, device, max_positions, self.layer_class)
         if cfg.tie_word_embeddings:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=None)
             self.lm_head.weight = self.model.embed_tokens.weight

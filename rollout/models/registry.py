@@ -11,6 +11,8 @@ MODELS: dict[str, str] = {
     "MistralForCausalLM": "rollout.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "rollout.models.qwen_moe:QwenMoeForCausalLM",
+    "Qwen3MoeForCausalLM": "rollout.models.qwen_moe:QwenMoeForCausalLM",
 }
 
 

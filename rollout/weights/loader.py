@@ -288,7 +288,8 @@ def load_checkpoint(
     if keep is not None:
         targets = {n: t for n, t in targets.items() if keep(n)}
     if require_all:
-        missing = [n for n in model.hf_names() if n not in targets]
+        have = covered(model, targets)
+        missing = [n for n in model.hf_names() if n not in have]
         if missing:
             raise ValueError(f"checkpoint {str(path)!r} lacks {len(missing)} weights, e.g. {missing[:3]}")
     if check_finite and not fresh:
@@ -298,6 +299,15 @@ def load_checkpoint(
     if check_finite and fresh:
         refuse_nonfinite([(name, t.read()) for name, t in targets.items()])
     return len(targets)
+
+
+def covered(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """The model's canonical names (hf_names) that loading `names` writes: a model whose one tensor
+    stands for several canonical ones (an MoE's fused experts) answers `covers(name)`."""
+    covers = getattr(model, "covers", None)
+    if covers is None:
+        return set(names)
+    return {c for n in names for c in covers(n)}
 
 
 def copy_parallel(work: Iterable[tuple[WeightTarget, torch.Tensor]]) -> None:

@@ -26,6 +26,7 @@ from rollout.weights.bucket import as_bucket
 from rollout.weights.loader import (
     WeightTarget,
     checkpoint_specs,
+    covered,
     load_checkpoint,
     safetensors_files,
 )
@@ -68,7 +69,7 @@ class WeightManager:
         if names is None:
             self._missing.clear()
         else:
-            self._missing.difference_update(names)
+            self._missing.difference_update(covered(self.model, names))
         if not self._missing:
             log.info("all weights loaded since they were discarded: the engine can generate again")
 
