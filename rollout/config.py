@@ -41,6 +41,9 @@ class EngineConfig:
     # last one (tokens come back one step late; outputs are unchanged). See docs/architecture.md.
     # None: on for one CUDA device (where the host work hides behind the device's), off otherwise
     overlap_schedule: bool | None = None
+    # MoE models: keep the experts each MoE layer chose for every cached token (a store beside the KV
+    # cache), so requests may ask for them with SamplingParams.return_routed_experts (docs/moe.md)
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)):
@@ -63,8 +66,9 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
-        if not isinstance(self.mixed_chunk, bool):
-            raise TypeError(f"mixed_chunk must be a bool, got {self.mixed_chunk!r}")
+        for name in ("mixed_chunk", "enable_return_routed_experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise TypeError(f"overlap_schedule must be a bool or None, got {self.overlap_schedule!r}")
         for name, low in (("max_loras", 0), ("max_lora_rank", 1)):

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from rollout.attention.registry import backend_class, resolve_backend_name
 from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
+from rollout.cache.routes import RouteStore
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
 from rollout.lora import LoraManager
@@ -38,7 +39,7 @@ from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput, TokenDelta
 from rollout.requests import check_lengths, check_params, check_prompts, normalize_params, normalize_prompts
-from rollout.results import request_output, token_deltas
+from rollout.results import request_output, routed_experts, token_deltas
 from rollout.runner.model_runner import Launched, ModelRunner
 from rollout.sampling import SamplingParams
 from rollout.scheduler import ScheduledBatch, Scheduler
@@ -157,6 +158,7 @@ class Engine:
         eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
         with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
+        self.routes = self._make_route_store()
         done("kv_cache")
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
@@ -165,6 +167,7 @@ class Engine:
             max_running=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             mixed=cfg.mixed_chunk,
+            routes=self.routes,
         )
         self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
@@ -179,6 +182,7 @@ class Engine:
             max_running=cfg.max_running_requests,
             lora=self.lora,
             eos_ids=eos_ids,
+            routes=self.routes,
         )
         done("runner")  # scheduler, attention backend, model runner
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
@@ -246,6 +250,18 @@ class Engine:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
         num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
         return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+
+    def _make_route_store(self) -> RouteStore | None:
+        """The routed-experts store beside the KV cache, one row per KV slot (cache/routes.py)."""
+        mc = self.model_config
+        if not self.config.enable_return_routed_experts:
+            return None
+        if mc.moe is None:
+            raise ValueError(
+                f"enable_return_routed_experts: {mc.architecture} has no mixture-of-experts layers"
+            )
+        slots = (self.kv.num_pages + 1) * self.kv.page_size  # with the scratch page
+        return RouteStore(slots, len(mc.moe_layers), mc.moe.top_k, mc.moe.num_experts, self.device)
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -542,7 +558,12 @@ class Engine:
             starts = check_score_inputs(
                 token_lists, start, top_logprobs, temperature, self._max_model_len, self.pool_tokens
             )
-            params = SamplingParams(temperature=temperature, max_new_tokens=1, prompt_logprobs=top_logprobs)
+            params = SamplingParams(
+                temperature=temperature,
+                max_new_tokens=1,
+                prompt_logprobs=top_logprobs,
+                return_routed_experts=self.routes is not None,  # scoring is the old-logprob pass
+            )
             self._check_ready("cannot score")
             agreed.propose(inputs=(token_lists, starts, params), engine_state=self._schedule_state())
         groups = score_groups(token_lists, starts)
@@ -566,7 +587,11 @@ class Engine:
                 group.append(seq)
             self.scheduler.add(Request(rid, token_lists[members[0]][: starts[members[0]]], params, group))
         self._run_to_end(len(seqs), show=False)
-        return [score_output(s, top_logprobs) for s in seqs]
+        outs = [score_output(s, top_logprobs) for s in seqs]
+        if self.routes is not None:
+            for out, seq in zip(outs, seqs):
+                out.routed_experts = routed_experts(seq)
+        return outs
 
     def _check_inputs(
         self, prompts: Any, input_ids: Any, sampling_params: Any, add_special_tokens: bool | None = None
@@ -576,6 +601,11 @@ class Engine:
         params = normalize_params(sampling_params, len(token_lists))
         check_params(params, self.model_config.vocab_size)
         self._check_lora_names(params)
+        if self.routes is None and any(p.return_routed_experts for p in params):
+            raise ValueError(
+                "SamplingParams.return_routed_experts: this engine records no routes; start it with "
+                "Engine(..., enable_return_routed_experts=True) (mixture-of-experts models only)"
+            )
         check_lengths(token_lists, params, self._max_model_len, self.pool_tokens)
         if self.tokenizer is None and any(p.stop_strings for p in params):
             raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -23,6 +23,9 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # the weight version that sampled each token: a partial rollout resumed over an update mixes versions
     weight_versions: list[int] = field(default_factory=list)
+    # with SamplingParams.return_routed_experts (MoE models): int32 tensor [prompt + output tokens - 1,
+    # MoE layers, top_k], the experts each MoE layer chose for each token in the forward that computed it
+    routed_experts: Any = None
 
 
 @dataclass

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rollout.detok import IncrementalText
 from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
 from rollout.sequence import Request, Sequence
@@ -45,7 +47,16 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         weight_versions=list(seq.weight_versions),
+        routed_experts=routed_experts(seq) if p.return_routed_experts else None,
     )
+
+
+def routed_experts(seq: Sequence) -> torch.Tensor | None:
+    """The routes of tokens 0 .. num_tokens - 2 (each token the model ran forward; the last one it
+    sampled never was), int32 [rows, MoE layers, top_k]; None when none were recorded."""
+    if not seq.routes:
+        return None
+    return torch.cat(seq.routes)[: seq.num_tokens - 1]
 
 
 def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:

@@ -54,6 +54,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # token id -> added to its logit
     include_stop_str_in_output: bool = False
     logprobs_mode: str = "raw"  # "raw" | "processed", see above
+    # MoE models: CompletionOutput.routed_experts, the experts every MoE layer chose for every token
+    # (needs Engine(..., enable_return_routed_experts=True); see docs/moe.md)
+    return_routed_experts: bool = False
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +80,7 @@ class SamplingParams:
         _check_int("top_logprobs", self.top_logprobs, low=0)
         if self.seed is not None:
             _check_int("seed", self.seed)
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "return_routed_experts"):
             _check_bool(name, getattr(self, name))
         object.__setattr__(self, "_stop", _stop_strings(self.stop))
         if self.stop_token_ids is not None:

@@ -20,11 +20,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from rollout.cache.pages import PageManager
 from rollout.runner.batch import StepOutput
 from rollout.sequence import PENDING, Request, Sequence, Status
 from rollout.stop import StopChecker
+
+if TYPE_CHECKING:
+    from rollout.cache.routes import RouteStore
 
 
 @dataclass
@@ -53,8 +59,9 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         mixed: bool = True,
+        routes: RouteStore | None = None,
     ):
-        self.pages, self.stops = pages, stops
+        self.pages, self.stops, self.routes = pages, stops, routes
         self.max_running, self.max_prefill_tokens, self.mixed = max_running, max_prefill_tokens, mixed
         self.requests: dict[Hashable, Request] = {}  # in flight
         self.waiting: deque[Sequence] = deque()
@@ -178,8 +185,22 @@ class Scheduler:
         return True
 
     def _free(self, seq: Sequence) -> None:
+        if self.routes is not None and seq.params.return_routed_experts:
+            self._keep_routes(seq)
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_indexed_pages = [], 0, 0
+
+    def _keep_routes(self, seq: Sequence) -> None:
+        """Read the routes of the computed tokens not read yet, before their slots go: a preempted
+        sequence keeps the routes of the forward that produced its tokens, not its recomputation's."""
+        start, end = seq.num_routes, seq.num_computed
+        if end <= start:
+            return
+        size = self.pages.page_size
+        pos = np.arange(start, end)
+        slots = np.asarray(seq.pages, dtype=np.int64)[pos // size] * size + pos % size
+        seq.routes.append(self.routes.read(slots))
+        seq.num_routes = end
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -12,7 +12,7 @@ always computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ class ScoreOutput:
     logprobs: list[float]
     # per scored token, the top_logprobs most likely {token_id: logprob} (None when top_logprobs == 0)
     top_logprobs: list[dict[int, float]] | None = None
+    # MoE models on an engine with enable_return_routed_experts: int32 [len(token_ids) - 1, MoE layers,
+    # top_k], the experts this scoring forward chose (the old-logprob pass's routes, for replay)
+    routed_experts: Any = None
 
 
 def scored_rows(batch: ScheduledBatch) -> list[tuple[int, int, int, int]]:

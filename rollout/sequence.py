@@ -55,6 +55,10 @@ class Sequence:
     cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
     # token_ids[-1] is PENDING: a launched step samples it, and postprocess puts it in place
     pending: bool = False
+    # with SamplingParams.return_routed_experts: routes of tokens 0.. read back when pages were freed
+    # (int32 [n, moe layers, top_k] pieces; a preemption keeps those computed before it)
+    routes: list[Any] = field(default_factory=list)
+    num_routes: int = 0  # rows in `routes`
 
     @property
     def num_tokens(self) -> int:

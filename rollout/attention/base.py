@@ -69,7 +69,11 @@ class AttentionBackend(ABC):
 
 @dataclass
 class ForwardContext:
-    """What every layer needs for one step besides its input: the attention backend and its metadata."""
+    """What every layer needs for one step besides its input: the attention backend and its metadata,
+    and for MoE layers the routes' destination and the count of real rows."""
 
     backend: AttentionBackend
     meta: Any
+    routes: Any = None  # a cache.routes.RouteSink when the engine records routed experts
+    # a device int scalar: rows at or past it are padding of a captured batch (MoE layers skip them)
+    valid_rows: torch.Tensor | None = None

@@ -3,9 +3,11 @@
 Interface (reused by every MoE family):
     spec = MoeSpec(num_experts, top_k, intermediate_size, norm_topk_prob, shared_intermediate_size)
     block = MoeBlock(spec, hidden, tp=..., dtype=..., device=...)
-    out = block(h, routes=None)       # h [T, hidden] -> [T, hidden]; `routes`, an int [T, top_k] view,
-                                      # receives each token's chosen experts (rows < valid only)
-    block(h, valid=n)                 # a captured batch of which only the first n rows are real tokens
+    out = block(h)                    # h [T, hidden] -> [T, hidden]
+    block(h, routes=sink)             # also sink.write(block.route_index, ids [T, top_k]): the experts
+                                      # chosen (cache/routes.py); the model numbers its MoE blocks
+    block(h, valid=n)                 # a captured batch of which only the first n rows (a device int
+                                      # scalar) are real tokens: the others get no expert work
 
 The router is transformers' (Qwen2/Qwen3-MoE `TopKRouter`): logits in the model dtype, softmax in float32,
 top-k, renormalised when `norm_topk_prob`, the weights rounded to the model dtype. The experts hold one
@@ -19,6 +21,7 @@ SiLU-and-mul, weighted combine; no host syncs, so decode steps are captured in C
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +184,7 @@ class MoeBlock(nn.Module):
     def __init__(self, spec: MoeSpec, hidden: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype, device=None):
         super().__init__()
         self.spec, self.tp = spec, tp
+        self.route_index = 0  # this block's index among the model's MoE blocks (its routes' column)
         self.gate = Router(spec, hidden, dtype=dtype, device=device)
         self.experts = Experts(spec, hidden, tp=tp, dtype=dtype, device=device)
         self.shared_expert = self.shared_expert_gate = None
@@ -195,12 +199,10 @@ class MoeBlock(nn.Module):
             )
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype=dtype, device=device)
 
-    def forward(
-        self, h: torch.Tensor, routes: torch.Tensor | None = None, valid: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, routes: Any = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate.route(h)
         if routes is not None:
-            routes.copy_(ids)
+            routes.write(self.route_index, ids)
         out = self.tp.all_reduce(self.experts(h, weights, ids, valid))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.attention.base import ForwardContext
 from rollout.distributed import TPGroup
 from rollout.layers.moe import PER_EXPERT, Experts, MoeBlock
 from rollout.models.config import ModelConfig
@@ -33,9 +34,19 @@ FUSED_NAME = re.compile(r"^(?P<experts>.+\.mlp\.experts)\.(?P<param>gate_up_proj
 
 class MoeDecoderLayer(DecoderLayer):
     def make_mlp(self, cfg: ModelConfig, layer: int, tp: TPGroup, dtype: torch.dtype, device) -> nn.Module:
-        if layer in cfg.moe_layers:
-            return MoeBlock(cfg.moe, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
-        return super().make_mlp(cfg, layer, tp, dtype, device)
+        if layer not in cfg.moe_layers:
+            return super().make_mlp(cfg, layer, tp, dtype, device)
+        block = MoeBlock(cfg.moe, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
+        block.route_index = cfg.moe_layers.index(layer)
+        return block
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.attend(h, residual, cos_sin, ctx)
+        if isinstance(self.mlp, MoeBlock):
+            return self.mlp(h, routes=ctx.routes, valid=ctx.valid_rows), residual
+        return self.mlp(h), residual
 
 
 class QwenMoeForCausalLM(LlamaForCausalLM):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.cache.routes import RouteStore
 from rollout.lora.layers import LoraState
 from rollout.runner.batch import HostBatch, StepInputs
 from rollout.runner.sampler import SamplingBatch
@@ -69,6 +70,7 @@ class GraphRunner:
         device: torch.device,
         capture_context: CaptureContext | None = None,
         lora: LoraState | None = None,
+        routes: RouteStore | None = None,
     ):
         if not backend.supports_cuda_graph:
             raise ValueError(f"attention backend {type(backend).__name__} cannot run in CUDA graphs")
@@ -84,7 +86,7 @@ class GraphRunner:
         self.page_table = torch.zeros(self.max_bs, max_pages, dtype=torch.int32, device=device)
         self.cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
-        self.lora = lora
+        self.lora, self.routes = lora, routes
         self.lora_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=device) if lora else None
         self.graphs: dict[int, Any] = {}
         self.pool: Any = None
@@ -120,12 +122,17 @@ class GraphRunner:
         self.seq_lens[:bs].fill_(1)
         self.page_table[:bs, 0].fill_(self.scratch_page)
         attn = self._attn(bs, [1] * bs, np.full((bs, 1), self.scratch_page, dtype=np.int32))
-        ctx = ForwardContext(self.backend, self.backend.begin_graph(attn))
+        meta = self.backend.begin_graph(attn)
         ids, positions = self.longs[:bs], self.longs[bs : 2 * bs]
+        # padding rows write their routes to the scratch page, like their k/v
+        routes = self.routes.sink(attn.slot_mapping) if self.routes is not None else None
 
         def run() -> None:
             if self.lora is not None:  # the mask is gathered inside the graph, from the static slots
                 self.lora.begin(self.lora_slots[:bs])
+            # real rows have seq_len >= 1, padding rows 0: MoE layers give the padding no expert work
+            valid = (self.seq_lens[:bs] > 0).sum()
+            ctx = ForwardContext(self.backend, meta, routes=routes, valid_rows=valid)
             self.hidden[:bs].copy_(self.model(ids, positions, ctx))
 
         with torch.inference_mode():

@@ -31,6 +31,7 @@ from rollout.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 from rollout.transfer import Staging, to_device
 
 if TYPE_CHECKING:
+    from rollout.cache.routes import RouteStore
     from rollout.lora import LoraManager
     from rollout.scheduler import ScheduledBatch
 
@@ -101,8 +102,10 @@ class ModelRunner:
         max_running: int = 256,
         lora: LoraManager | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        routes: RouteStore | None = None,
     ):
         self.lora = lora  # adapter slots (None: LoRA off)
+        self.routes = routes  # where MoE layers record their routed experts (None: not recorded)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.eos_ids = eos_ids  # what min_tokens masks
         self.staging = Staging(device)  # the pinned buffers of every step's uploads
@@ -133,6 +136,7 @@ class ModelRunner:
             device=self.device,
             capture_context=capture,
             lora=self.lora.state if self.lora is not None else None,
+            routes=self.routes,
         )
         self.graphs.capture()
 
@@ -293,7 +297,8 @@ class ModelRunner:
         self.eager_steps += 1
         if self.lora is not None:
             self.lora.state.begin(inputs.lora_slots)
-        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
+        routes = self.routes.sink(inputs.attn.slot_mapping) if self.routes is not None else None
+        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn), routes=routes)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()

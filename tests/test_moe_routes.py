@@ -1,0 +1,163 @@
+"""Routed experts (R3): the engine reports, for every token, the experts each MoE layer chose, and a
+transformers trainer replays them (integrations/routing_replay.py). CPU, float32, tiny Qwen3-MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from weights_helpers import load_hf
+
+from integrations.routing_replay import RouteRecorder, RoutingReplay, pad_routes, route_mismatch
+from rollout import Engine, SamplingParams
+from rollout.toy import build_checkpoint
+
+PROMPT = list(range(3, 40))
+SAMPLE = SamplingParams(
+    temperature=1.0,
+    n=8,
+    max_new_tokens=12,
+    ignore_eos=True,
+    logprobs=True,
+    return_routed_experts=True,
+    seed=1,
+)
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory) -> str:
+    # 3 layers, layer 1 dense: 2 MoE layers of 8 experts, top-2
+    root = tmp_path_factory.mktemp("moe_routes")
+    return str(
+        build_checkpoint(root / "q3moe", "qwen3_moe", seed=11, num_hidden_layers=3, mlp_only_layers=[1])
+    )
+
+
+@pytest.fixture(scope="session")
+def hf(moe_dir):
+    return load_hf(moe_dir)
+
+
+def engine_for(path: str, **kw) -> Engine:
+    options = dict(device="cpu", page_size=4, enable_return_routed_experts=True, max_total_tokens=512)
+    return Engine(path, **{**options, **kw})
+
+
+def trainer_routes(hf, tokens: list[int]) -> torch.Tensor:
+    """transformers' own router top-k for tokens[:-1] (each token the engine ran forward)."""
+    with torch.no_grad(), RouteRecorder(hf).record() as got:
+        hf(torch.tensor([tokens[:-1]]))
+    return got[0].int()
+
+
+def assert_routes_match(hf, outs) -> int:
+    checked = 0
+    for o in outs:
+        for c in o.outputs:
+            tokens = o.prompt_token_ids + c.token_ids
+            r = c.routed_experts
+            assert r.dtype == torch.int32 and r.shape == (len(tokens) - 1, 2, 2)
+            assert route_mismatch(r, trainer_routes(hf, tokens), torch.ones(len(tokens) - 1)) == 0
+            checked += 1
+    return checked
+
+
+def test_asking_without_the_store_is_a_clear_error(moe_dir, checkpoints):
+    engine = Engine(moe_dir, device="cpu", max_total_tokens=256)
+    with pytest.raises(ValueError, match="enable_return_routed_experts=True"):
+        engine.generate(input_ids=[PROMPT], sampling_params=SamplingParams(return_routed_experts=True))
+    assert engine.generate(
+        input_ids=[PROMPT], sampling_params=SamplingParams(max_new_tokens=2)
+    )  # still usable
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        Engine(checkpoints["qwen3"], device="cpu", enable_return_routed_experts=True)
+
+
+def test_routes_equal_transformers_top_k_with_chunks_prefix_sharing_and_n8(moe_dir, hf):
+    # chunked prefill (16-token chunks), 8 samples sharing each prompt's pages, and a second prompt
+    # whose first 20 tokens hit the first one's cached pages
+    engine = engine_for(moe_dir, max_prefill_tokens=16)
+    outs = engine.generate(input_ids=[PROMPT, PROMPT[:20] + [5, 6]], sampling_params=SAMPLE, use_tqdm=False)
+    assert assert_routes_match(hf, outs) == 16
+    plain = engine.generate(input_ids=[PROMPT], sampling_params=SamplingParams(max_new_tokens=2))
+    assert plain[0].outputs[0].routed_experts is None  # only for requests that ask
+
+
+def test_routes_survive_preemption(moe_dir, hf):
+    engine = engine_for(moe_dir, max_total_tokens=96, max_running_requests=8)
+    params = SamplingParams(
+        temperature=1.0, n=4, max_new_tokens=24, ignore_eos=True, return_routed_experts=True, seed=2
+    )
+    outs = engine.generate(input_ids=[PROMPT[:14], PROMPT[10:26]], sampling_params=params, use_tqdm=False)
+    assert engine.stats.preemptions > 0
+    assert assert_routes_match(hf, outs) == 8
+
+
+def test_score_returns_routes(moe_dir, hf):
+    engine = engine_for(moe_dir)
+    tokens = PROMPT + [7, 8, 9]
+    out = engine.score(input_ids=[tokens])[0]
+    assert torch.equal(out.routed_experts.sort(-1).values, trainer_routes(hf, tokens).sort(-1).values)
+
+
+def test_replay_gives_the_engine_logprobs_and_removes_the_route_gap(moe_dir, hf):
+    engine = engine_for(moe_dir)
+    outs = engine.generate(input_ids=[PROMPT, PROMPT[5:30]], sampling_params=SAMPLE, use_tqdm=False)
+    samples = [(o.prompt_token_ids, c) for o in outs for c in o.outputs]
+    seq_len = max(len(p) + len(c.token_ids) for p, c in samples)
+    ids = torch.zeros(len(samples), seq_len, dtype=torch.long)
+    mask = torch.zeros(len(samples), seq_len, dtype=torch.bool)  # completion tokens (right-padded batch)
+    engine_lp = torch.zeros(len(samples), seq_len, dtype=torch.float64)
+    for i, (p, c) in enumerate(samples):
+        tokens = p + c.token_ids
+        ids[i, : len(tokens)] = torch.tensor(tokens)
+        mask[i, len(p) : len(tokens)] = True
+        engine_lp[i, len(p) : len(tokens)] = torch.tensor(c.logprobs, dtype=torch.float64)
+    routes = pad_routes([c.routed_experts for _, c in samples], seq_len)
+    lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in samples])
+    attn = torch.arange(seq_len)[None, :] < lengths[:, None]
+
+    def logprobs(model, replay: bool) -> torch.Tensor:
+        rr = RoutingReplay(model)
+        try:
+            ctx = rr.use(routes) if replay else torch.no_grad()
+            with torch.no_grad(), ctx:
+                logits = model(ids, attention_mask=attn.long()).logits.double()
+        finally:
+            rr.remove()
+        lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        return torch.nn.functional.pad(lp, (1, 0))
+
+    gap = ((logprobs(hf, replay=True) - engine_lp).abs() * mask).max().item()
+    assert gap <= 1e-5, gap
+    # a perturbed router (the trainer's weights a step later, or another kernel's rounding): its own
+    # routes differ from the engine's; replaying the engine's routes keeps the top-k sets and only
+    # the gate weights move, so the logprob gap shrinks
+    perturbed = load_hf(moe_dir)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for gate in RoutingReplay(perturbed).gates:
+            gate.weight.add_(torch.randn(gate.weight.shape, generator=g) * 0.1 * gate.weight.abs().mean())
+    with torch.no_grad(), RouteRecorder(perturbed).record() as own:
+        perturbed(ids, attention_mask=attn.long())
+    own_routes = own[0].view(len(samples), seq_len, 2, 2)
+    valid = torch.arange(seq_len)[None, :] < lengths[:, None] - 1  # rows the engine has routes for
+    assert route_mismatch(routes, own_routes, valid) > 0.05
+    off = ((logprobs(perturbed, replay=False) - engine_lp).abs() * mask).max().item()
+    on = ((logprobs(perturbed, replay=True) - engine_lp).abs() * mask).max().item()
+    print(f"perturbed router: route mismatch {route_mismatch(routes, own_routes, valid):.2f}, "
+          f"logprob gap {off:.2e} without replay, {on:.2e} with")  # fmt: skip
+    assert on < off / 2
+
+
+def test_replay_keeps_router_gradients(moe_dir):
+    model = load_hf(moe_dir)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad(), RouteRecorder(model).record() as own:
+        model(ids)
+    replay = RoutingReplay(model)
+    with replay.use(own[0].view(1, len(PROMPT), 2, 2)):
+        model(ids).logits.logsumexp(-1).mean().backward()
+    assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in replay.gates)
+    with pytest.raises(ValueError, match="routes must be"):
+        with replay.use(torch.zeros(1, len(PROMPT), 3, 2, dtype=torch.long)):
+            pass
