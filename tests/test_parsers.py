@@ -149,9 +149,10 @@ def test_the_prefilled_opening_parses_with_the_rest(name):
 
 REASONING = [
     # (parser, started, text, reasoning, content)
-    ("qwen3", False, "<think>\nI should call.\n</think>\n\nDone.", "\nI should call.\n", "\n\nDone."),
+    ("qwen3", False, "<think>\nI should call.\n</think>\n\nDone.", "\nI should call.\n", "Done."),
     ("qwen3", False, "No thinking here.", None, "No thinking here."),
     ("qwen3", True, "still thinking</think>answer", "still thinking", "answer"),
+    ("qwen3", False, "<think>a</think>\n\n  \n", "a", None),
     ("qwen3", False, "<think>never closed", "never closed", None),
     ("deepseek_r1", False, "reason</think>answer", "reason", "answer"),
     ("deepseek_r1", False, "<think>reason</think>answer", "reason", "answer"),
@@ -166,3 +167,22 @@ def test_reasoning_whole_and_streamed(name, started, text, reasoning, content):
     for chunks in _every_split(text):
         got = parse_chunks(reasoning_parser(name, started), chunks)
         assert (got.reasoning, got.content) == (reasoning, content), chunks
+
+
+def test_the_chat_splitter_keeps_one_call_without_parallel_calls_and_none_parses_nothing():
+    from rollout.chat.output import OutputPlan, OutputSplitter, split_whole
+    from rollout.chat.tools import check_tool_choice, check_tools
+
+    spec = check_tools([{"type": "function", "function": {"name": n}} for n in TOOLS])
+    text = "<think>hm</think>" + GOOD["hermes"][0]
+    both = OutputPlan("hermes", "qwen3", spec, check_tool_choice("auto", spec))
+    one = OutputPlan("hermes", "qwen3", spec, check_tool_choice("auto", spec), parallel=False)
+    none = OutputPlan("hermes", "qwen3", spec, check_tool_choice("none", spec))
+    assert [c.name for c in split_whole(both, text).tool_calls] == ["get_weather", "now"]
+    assert [c.name for c in split_whole(one, text).tool_calls] == ["get_weather"]
+    got = split_whole(none, text)
+    assert got.tool_calls == [] and got.content == GOOD["hermes"][0] and got.reasoning == "hm"
+    for i in range(len(text)):  # streamed, split anywhere
+        s = OutputSplitter(one)
+        pieces = s.feed(text[:i]) + s.feed(text[i:]) + s.finish()
+        assert [p.name for p in pieces if isinstance(p, ToolCall)] == ["get_weather"]

@@ -1,6 +1,8 @@
 """Reasoning parsers: `<think>...</think>` split into reasoning and content (vLLM's and SGLang's
 `qwen3` and `deepseek_r1`).
 
+The white space between `</think>` and the answer is dropped (templates write it back).
+
 - deepseek_r1: the output starts in reasoning (R1's template opens `<think>` in the prompt); a leading
   `<think>` is dropped; reasoning runs to `</think>`, or to the end when it never closes.
 - qwen3: the output is reasoning only when it opens with `<think>`, or when the prompt ends in an open
@@ -38,16 +40,21 @@ class ReasoningFormat:
             else:
                 self._skipped_open = True
                 self.state = self.state or "content"
+        if self.state == "after":  # the white space after </think> is the template's (Qwen writes \n\n)
+            rest = text[i:].lstrip()
+            if not rest:
+                return [], len(text)
+            i, self.state = len(text) - len(rest), "content"
         if self.state == "content":
             return ([Content(text[i:])] if len(text) > i else []), len(text)
         e = text.find(CLOSE, i)
         if e < 0:
             k = len(text) if final else held_prefix(text, i, CLOSE)
             return ([Reasoning(text[i:k])] if k > i else []), k
-        self.state = "content"
+        self.state = "after"
         pieces: list[Piece] = [Reasoning(text[i:e])] if e > i else []
-        rest = text[e + len(CLOSE) :]
-        return pieces + ([Content(rest)] if rest else []), len(text)
+        more, used = self.scan(text[e + len(CLOSE) :], final)
+        return pieces + more, e + len(CLOSE) + used
 
     def parse(self, text: str) -> Parsed:
         pieces, _ = self.scan(text, final=True)
