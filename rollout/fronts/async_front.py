@@ -71,6 +71,13 @@ class AsyncFront(abc.ABC):
         return self._in_flight
 
     # -- requests ---------------------------------------------------------------------------------
+    def chat_session(self, **options: Any) -> Any:
+        """A token-exact multi-turn chat over this engine (rollout.chat.session.ChatSession: tools,
+        tool_parser, reasoning_parser, chat_template_kwargs)."""
+        from rollout.chat.session import ChatSession
+
+        return ChatSession(self, **options)
+
     async def generate(
         self,
         prompts: str | None = None,
