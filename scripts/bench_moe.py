@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_fidelity import PUBLISHED  # noqa: E402
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.toy import build_tokenizer  # noqa: E402
+from rollout.models.toy import build_tokenizer  # noqa: E402
 
 GB = 1e9
 

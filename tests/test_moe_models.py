@@ -13,7 +13,7 @@ from weights_helpers import CPU, load_hf, outputs, perturb
 
 from rollout import Engine
 from rollout.models.config import ModelConfig
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 from rollout.weights.bucket import pack
 
 # Qwen3-MoE: layer 1 dense (mlp_only_layers), 3 and 5 off the sparse step; Qwen2-MoE: a shared expert

@@ -9,7 +9,7 @@ from weights_helpers import load_hf
 
 from integrations.routing_replay import RouteRecorder, RoutingReplay, pad_routes, route_mismatch
 from rollout import Engine, SamplingParams
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 
 PROMPT = list(range(3, 40))
 SAMPLE = SamplingParams(

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from rollout.detok import IncrementalText
+from rollout.engine.detok import IncrementalText
 from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
-from rollout.sequence import Request, Sequence
+from rollout.state.sequence import Request, Sequence
 
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:
