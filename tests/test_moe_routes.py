@@ -161,3 +161,35 @@ def test_replay_keeps_router_gradients(moe_dir):
     with pytest.raises(ValueError, match="routes must be"):
         with replay.use(torch.zeros(1, len(PROMPT), 3, 2, dtype=torch.long)):
             pass
+
+
+def test_sglang_front_sends_routes_as_base64_int32(moe_dir, hf):
+    import base64
+
+    import numpy as np
+
+    from rollout.compat.sglang import Engine as SGLangEngine
+
+    engine = SGLangEngine(moe_dir, device="cpu", page_size=4, enable_return_routed_experts=True)
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    out = engine.generate(input_ids=PROMPT, sampling_params=params, return_routed_experts=True)
+    seq = PROMPT + out["output_ids"]
+    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
+    routes = torch.from_numpy(raw.copy()).view(len(seq) - 1, 2, 2)  # [seq_len - 1, L, K], as slime reads
+    assert route_mismatch(routes, trainer_routes(hf, seq), torch.ones(len(seq) - 1)) == 0
+    streamed = list(engine.generate(input_ids=PROMPT, sampling_params=params, return_routed_experts=True,
+                                    stream=True))  # fmt: skip
+    assert streamed[-1]["meta_info"]["routed_experts"] == out["meta_info"]["routed_experts"]
+    assert "routed_experts" not in engine.generate(input_ids=PROMPT, sampling_params=params)["meta_info"]
+
+
+def test_vllm_front_gives_routes_on_each_completion(moe_dir, hf):
+    from rollout.compat.vllm import LLM
+    from rollout.compat.vllm import SamplingParams as VllmParams
+
+    llm = LLM(moe_dir, device="cpu", block_size=4, enable_return_routed_experts=True)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}], VllmParams(n=2, max_tokens=4, seed=3))
+    for c in outs[0].outputs:
+        seq = PROMPT + c.token_ids
+        routes = torch.from_numpy(c.routed_experts)
+        assert route_mismatch(routes, trainer_routes(hf, seq), torch.ones(len(seq) - 1)) == 0

@@ -13,7 +13,9 @@ bytes a token against 96 KiB of bf16 KV). Reads widen them to int32, the type th
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,3 +49,10 @@ class RouteStore:
         """The routes of tokens in `slots` (host array), as a CPU int32 tensor [len(slots), L, K]."""
         index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.table.device)
         return self.table[index].to("cpu", torch.int32)
+
+
+def encode_routes(routes: Any) -> str:
+    """Routes as SGLang's fronts send them (meta_info["routed_experts"], what slime and miles decode):
+    base64 of the int32 array's bytes, C order, little-endian."""
+    array = np.ascontiguousarray(np.asarray(routes), dtype="<i4")
+    return base64.b64encode(array.tobytes()).decode("ascii")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rollout.cache.routes import encode_routes
 from rollout.compat import with_graphs
 from rollout.compat.serialize import LocalSerializedTensor, MultiprocessingSerializer
 from rollout.engine.engine import Engine as CoreEngine
@@ -45,6 +46,7 @@ SERVER_ARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "disable_radix_cache": ("enable_prefix_cache", lambda v: not v),
     "enable_mixed_chunk": ("mixed_chunk", lambda v: v),
     "log_level": ("log_level", lambda v: v),
+    "enable_return_routed_experts": ("enable_return_routed_experts", lambda v: v),
 }
 
 # SGLang sampling-param key -> SamplingParams field
@@ -108,9 +110,12 @@ class Engine:
         top_logprobs_num: int | None = None,
         lora_path: str | list[str | None] | None = None,
         stream: bool = False,
+        return_routed_experts: bool = False,
     ) -> dict | list[dict] | Iterator[dict]:
         """SGLang's output dicts: one for a single prompt with n=1, else a list (prompt-major). With
         stream=True an iterator of cumulative chunks (batched ones carry their "index" in that order).
+        return_routed_experts (MoE models, an engine started with enable_return_routed_experts):
+        meta_info["routed_experts"], base64 of int32 [seq_len - 1, MoE layers, top_k], as slime reads it.
         lora_path: the name of a loaded adapter, for every prompt or one (or None) per prompt."""
         single = isinstance(prompt, str) or (
             input_ids is not None and len(input_ids) > 0 and not isinstance(input_ids[0], (list, tuple))
@@ -121,7 +126,8 @@ class Engine:
         if len(loras) != count:
             raise ValueError(f"lora_path: {len(loras)} given for {count} prompts (one per prompt)")
         params = [
-            to_sampling_params(d, return_logprob, top_logprobs_num, lora) for d, lora in zip(dicts, loras)
+            to_sampling_params(d, return_logprob, top_logprobs_num, lora, return_routed_experts)
+            for d, lora in zip(dicts, loras)
         ]
         if stream:
             texts = [prompt] if isinstance(prompt, str) else prompt
@@ -208,6 +214,8 @@ class Engine:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(c.logprobs, c.token_ids)]
         if c.top_logprobs is not None:
             meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top.items()] for top in c.top_logprobs]
+        if c.routed_experts is not None:
+            meta["routed_experts"] = encode_routes(c.routed_experts)
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
 
     # -- weights ----------------------------------------------------------------------------------
@@ -383,7 +391,11 @@ class Engine:
 
 # -- translation ------------------------------------------------------------------------------------
 def to_sampling_params(
-    d: dict | None, return_logprob: bool, top_logprobs_num: int | None, lora_name: str | None = None
+    d: dict | None,
+    return_logprob: bool,
+    top_logprobs_num: int | None,
+    lora_name: str | None = None,
+    return_routed_experts: bool = False,
 ) -> SamplingParams:
     """SGLang's sampling-param dict as a SamplingParams (unknown keys raise, naming them)."""
     d = dict(d or {})
@@ -396,7 +408,11 @@ def to_sampling_params(
     if isinstance(fields.get("logit_bias"), dict):  # SGLang keys it by str(token id), the core by int
         fields["logit_bias"] = {_token_id(k): v for k, v in fields["logit_bias"].items()}
     return SamplingParams(
-        **fields, logprobs=return_logprob, top_logprobs=top_logprobs_num or 0, lora_name=lora_name
+        **fields,
+        logprobs=return_logprob,
+        top_logprobs=top_logprobs_num or 0,
+        lora_name=lora_name,
+        return_routed_experts=return_routed_experts,
     )
 
 

@@ -40,6 +40,9 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry; None for EOS
+    # LLM(enable_return_routed_experts=True) with an MoE model: int32 array [prompt + output tokens - 1,
+    # MoE layers, top_k], the experts each MoE layer chose for each token
+    routed_experts: Any = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -139,6 +142,7 @@ LLM_ARGS: dict[str, str | None] = {
     "max_num_batched_tokens": "max_prefill_tokens",
     "block_size": "page_size",
     "device": "device",
+    "enable_return_routed_experts": "enable_return_routed_experts",  # every request then gets its routes
     # accepted, nothing to do: one process, Hugging Face checkpoints, our own model code
     "distributed_executor_backend": None,
     "trust_remote_code": None,
@@ -210,6 +214,8 @@ class LLM:
     def _native(self, p: SamplingParams, lora_name: str | None, prompt_len: int | None) -> NativeParams:
         mode = LOGPROBS_MODES[self.logprobs_mode]
         changes: dict[str, Any] = {"logprobs_mode": mode, "lora_name": lora_name}
+        if self.engine.config.enable_return_routed_experts:
+            changes["return_routed_experts"] = True
         if p.max_tokens is None:  # vLLM: up to the model's length
             room = self.engine.max_model_len - prompt_len
             if room < 1:
@@ -323,6 +329,7 @@ class LLM:
             logprobs=logprobs,
             finish_reason=c.finish_reason,
             stop_reason=stop_reason,
+            routed_experts=None if c.routed_experts is None else c.routed_experts.numpy(),
         )
 
     def _position(self, token: int, logprob: float, top: dict[int, float], k: int) -> dict[int, Logprob]:

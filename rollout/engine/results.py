@@ -84,6 +84,8 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         weight_versions=seq.weight_versions[start:end],
+        # a stream's routes come whole with its last delta (they are read when its pages are freed)
+        routed_experts=routed_experts(seq) if p.return_routed_experts and seq.finish_reason else None,
     )
 
 

@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from rollout.cache.routes import encode_routes
 from rollout.fronts.async_front import AsyncFront, QueueFullError
 from rollout.fronts.stream_deltas import join
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -326,6 +327,7 @@ def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
             seed=sp.seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num,
+            return_routed_experts=req.return_routed_experts,
         )
         rids = _rids(req.rid, len(prompts))
         if req.stream:
@@ -493,6 +495,8 @@ def _sglang_item(out: RequestOutput, c: CompletionOutput, logprob: bool, rid: An
     }
     if logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs or [], c.token_ids)]
+    if c.routed_experts is not None:  # int32 [seq_len - 1, MoE layers, top_k], base64 (as SGLang)
+        meta["routed_experts"] = encode_routes(c.routed_experts)
     return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}
 
 

@@ -87,6 +87,8 @@ class GenerateRequest(Strict):
     top_logprobs_num: int = 0
     rid: str | list[str] | None = None
     stream: bool = False
+    # MoE models on a server started with routed experts on: meta_info["routed_experts"] (not streamed)
+    return_routed_experts: bool = False
 
 
 class AbortRequest(Strict):
