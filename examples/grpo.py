@@ -18,6 +18,7 @@ its per-step breakdown as a docs/benchmarks.md table row.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from integrations.rl import (
     policy_logprobs,
     trainer_autocast,
 )
+from integrations.routing_replay import RouteRecorder, RoutingReplay, route_mismatch
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Config:
     wandb_dir: str | None = None
     progress: bool = True
     lora_rank: int = 0  # > 0: train a LoRA adapter of this rank, not every weight (integrations/lora.py)
+    # MoE policies: the trainer's forwards use the engine's routed experts (integrations/routing_replay.py)
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:
@@ -73,8 +77,21 @@ class Config:
         check_loop_config(self)
 
 
+def replaying(replay: RoutingReplay | None, routes: torch.Tensor | None, rows, width: int):
+    """The context a micro-batch's forward runs in: the engine's routes of `rows` replayed, or nothing."""
+    if replay is None or routes is None:
+        return contextlib.nullcontext()
+    return replay.use(routes[rows][:, :width])
+
+
 def minibatch_backward(
-    policy: torch.nn.Module, batch: RolloutBatch, rows: torch.Tensor, advantages: torch.Tensor, cfg: Config
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    rows: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: Config,
+    replay: RoutingReplay | None = None,
+    routes: torch.Tensor | None = None,
 ) -> tuple[float, LossStats]:
     """Backward of the clipped loss of the minibatch `rows`, in micro-batches of at most
     cfg.micro_batch_tokens: each averages over the whole minibatch's tokens, so the accumulated
@@ -83,7 +100,10 @@ def minibatch_backward(
     loss_sum, stats = 0.0, LossStats(0.0, 0.0, 0.0)
     for micro in micro_batches(batch, rows, cfg.micro_batch_tokens):
         mb = batch.rows(micro).trimmed()
-        with trainer_autocast(cfg.autocast, mb.input_ids.device):
+        with (
+            trainer_autocast(cfg.autocast, mb.input_ids.device),
+            replaying(replay, routes, micro, mb.input_ids.shape[1]),
+        ):
             logprobs = policy_logprobs(policy, mb, cfg.temperature)
         loss, part = clipped_policy_loss(
             logprobs, mb.old_logprobs, advantages[micro], mb.loss_mask, cfg.clip_eps, num_tokens=tokens
@@ -94,17 +114,33 @@ def minibatch_backward(
 
 
 @torch.no_grad()
-def trainer_logprobs(policy: torch.nn.Module, batch: RolloutBatch, cfg: Config) -> torch.Tensor:
+def trainer_logprobs(
+    policy: torch.nn.Module,
+    batch: RolloutBatch,
+    cfg: Config,
+    replay: RoutingReplay | None = None,
+    routes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float | None]:
     """The trainer's logprobs of the whole batch, for the rollout-trainer gap: in micro-batches, or
-    minibatches without a token budget."""
+    minibatches without a token budget. With the engine's routes and no replay, also the fraction of
+    tokens whose routes differ between engine and trainer in some MoE layer."""
     out = torch.zeros_like(batch.old_logprobs)
     rows = out.shape[0]
     budget = cfg.micro_batch_tokens or rows // cfg.minibatches * out.shape[1]
+    differ = counted = 0
     for micro in micro_batches(batch, torch.arange(rows, device=out.device), budget):
         mb = batch.rows(micro).trimmed()
-        with trainer_autocast(cfg.autocast, out.device):
-            out[micro, : mb.input_ids.shape[1]] = policy_logprobs(policy, mb, cfg.temperature)
-    return out
+        width = mb.input_ids.shape[1]
+        record = RouteRecorder(policy).record() if routes is not None and replay is None else None
+        with trainer_autocast(cfg.autocast, out.device), replaying(replay, routes, micro, width):
+            with record or contextlib.nullcontext() as own:
+                out[micro, :width] = policy_logprobs(policy, mb, cfg.temperature)
+        if own:
+            engine_routes = routes[micro][:, :width]
+            valid = engine_routes[..., 0, 0] >= 0  # tokens the engine ran forward
+            frac = route_mismatch(engine_routes, own[0].view(engine_routes.shape), valid)
+            differ, counted = differ + frac * int(valid.sum()), counted + int(valid.sum())
+    return out, (differ / counted if counted else None)
 
 
 def grpo_update(
@@ -114,25 +150,32 @@ def grpo_update(
     rewards: list[float],
     cfg: Config,
     shuffle: torch.Generator,
+    routes: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One GRPO update on a step's rollouts; returns its metrics, the logprob gap included."""
     check_groups(len(rewards), cfg.n)
     advantages = group_advantages(torch.tensor(rewards), cfg.n).to(batch.input_ids.device)
     size = len(rewards) // cfg.minibatches
     # the policy still holds the weights the engine sampled with
-    gap_mean, gap_max = logprob_gap(trainer_logprobs(policy, batch, cfg), batch.old_logprobs, batch.loss_mask)
+    replay = RoutingReplay(policy) if cfg.routing_replay and routes is not None else None
+    trainer, route_gap = trainer_logprobs(policy, batch, cfg, replay, routes)
+    gap_mean, gap_max = logprob_gap(trainer, batch.old_logprobs, batch.loss_mask)
     losses, clip_fracs, ratio_max = [], [], 0.0
     for _ in range(cfg.epochs):
         order = torch.randperm(len(rewards), generator=shuffle).to(batch.input_ids.device)
         for start in range(0, len(rewards), size):
             opt.zero_grad(set_to_none=True)
-            loss, stats = minibatch_backward(policy, batch, order[start : start + size], advantages, cfg)
+            rows = order[start : start + size]
+            loss, stats = minibatch_backward(policy, batch, rows, advantages, cfg, replay, routes)
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
             losses.append(loss)
             clip_fracs.append(stats.clip_fraction)
             ratio_max = max(ratio_max, stats.ratio_max)
-    return {
+    if replay is not None:
+        replay.remove()
+    routes_metric = {} if route_gap is None else {"routes/differ": route_gap}
+    return routes_metric | {
         "loss/policy": sum(losses) / len(losses),
         "loss/clip_fraction": sum(clip_fracs) / len(clip_fracs),
         "loss/ratio_max": ratio_max,
@@ -152,7 +195,7 @@ def train(cfg: Config) -> list[dict[str, float]]:
             timer = PhaseTimer(loop.device)
             ro = loop.rollouts(cfg.batch, timer)
             with loop.train_phase(timer):
-                metrics = grpo_update(loop.policy, opt, ro.batch, ro.rewards, cfg, shuffle)
+                metrics = grpo_update(loop.policy, opt, ro.batch, ro.rewards, cfg, shuffle, ro.routes)
             loop.finish_step(step, metrics, ro, timer)
     loop.report()
     return loop.logger.history
@@ -162,6 +205,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     d = Config()
     ap = loop_parser(d, __doc__)
     ap.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train a LoRA of this rank")
+    ap.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="MoE policies: replay the engine's routed experts in the trainer's forwards (R3)",
+    )
     return Config(**vars(ap.parse_args(argv)))
 
 

@@ -27,8 +27,10 @@ from integrations.metrics import (
     rollout_metrics,
 )
 from integrations.rl import AUTOCAST, RolloutBatch, refresh_engine, rollout_batch, use_memory_saver
+from integrations.routing_replay import pad_routes
 from integrations.tasks import TASKS, Problem, Task, char_tokenizer
 from rollout import Engine, SamplingParams
+from rollout.models.config import ModelConfig
 from rollout.models.toy import default_model_dir
 
 PROMPT_PROBE = 64  # problems whose prompts are encoded before the first step
@@ -119,6 +121,9 @@ class Rollouts:
     batch: RolloutBatch
     rewards: list[float]
     freed_bytes: int | None  # device memory the release gave back (None off CUDA)
+    # MoE policies: the engine's routed experts, int64 [B, T, MoE layers, top_k] padded like the batch
+    # (-1 where none: padding, each row's last token); integrations/routing_replay.py replays them
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -145,6 +150,7 @@ class ColocatedLoop:
         model_dir = str(cfg.model or default_model_dir())
         saver = use_memory_saver(cfg.memory_saver, cfg.device)
         cfg = dataclasses.replace(cfg, memory_saver=saver)
+        moe = ModelConfig.from_path(model_dir).moe is not None  # record routes: replay, or the route gap
         engine = Engine(
             model_dir,
             device=cfg.device,
@@ -152,6 +158,7 @@ class ColocatedLoop:
             seed=cfg.seed,
             mem_fraction=cfg.mem_fraction,
             enable_memory_saver=saver,
+            enable_return_routed_experts=moe,
         )
         tokenizer = engine.tokenizer or char_tokenizer()  # random real-shaped checkpoints ship none
         encode_prompts(tokenizer, Task(cfg.task, seed=cfg.seed).sample(PROMPT_PROBE), cfg.task)
@@ -163,7 +170,11 @@ class ColocatedLoop:
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
         params = SamplingParams(
-            n=cfg.n, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, logprobs=True
+            n=cfg.n,
+            temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens,
+            logprobs=True,
+            return_routed_experts=moe,
         )
         engine_dtype = str(engine.dtype).removeprefix("torch.")
         trainer = "float32" if cfg.autocast == "none" else f"float32+{cfg.autocast} autocast"
@@ -208,7 +219,11 @@ class ColocatedLoop:
             self.engine.release_memory_occupation()
         freed = None if used is None else used - device_used_bytes(self.device)
         batch = rollout_batch(outs, self.tokenizer.pad_token_id or 0).to(self.device)
-        return Rollouts(batch, rewards, freed)
+        routes = None
+        if self.params.return_routed_experts:
+            rows = [c.routed_experts for r in outs for c in r.outputs]
+            routes = pad_routes(rows, batch.input_ids.shape[1]).to(self.device)
+        return Rollouts(batch, rewards, freed, routes)
 
     @contextmanager
     def train_phase(self, timer: PhaseTimer) -> Iterator[None]:

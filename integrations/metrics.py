@@ -75,6 +75,7 @@ CONSOLE = [
     ("loss/value", "vf {:.4f}"),
     ("logprob_gap/mean", "gap {:.1e}"),
     ("logprob_gap/max", "max {:.1e}"),
+    ("routes/differ", "routes differ {:.1%}"),  # MoE policies without routing replay
     ("time/generate", "gen {:.2f}s"),
     ("time/train", "train {:.2f}s"),
     ("time/sync", "sync {:.2f}s"),
@@ -113,6 +114,7 @@ BENCH_COLUMNS = [
     ("memory/train_peak_gb", "train peak GB", "{:.2f}"),
     ("logprob_gap/mean", "gap mean", "{:.1e}"),
     ("logprob_gap/max", "gap max", "{:.1e}"),
+    ("routes/differ", "routes differ", "{:.1%}"),
 ]
 
 
