@@ -167,3 +167,17 @@ def test_bad_expert_tensors_are_refused_with_the_weights_intact(moe_dirs, tmp_pa
     assert outputs(engine) == outputs(engine_for(path))  # still runs the original weights
     with pytest.raises(ValueError, match="lacks 1 weights"):
         Engine(str(partial), **CPU)
+
+
+@pytest.mark.parametrize("family", list(VARIANTS))
+def test_lora_on_the_attention_of_moe_models_equals_peft(moe_dirs, family):
+    pytest.importorskip("peft")
+    from test_lora import ATTN, adapter, check_against, greedy, peft_model
+
+    base = load_hf(moe_dirs[family])
+    lora = peft_model(base, ATTN, 8, seed=5)
+    engine = Engine(moe_dirs[family], max_total_tokens=1024, max_loras=1, max_lora_rank=8, **CPU)
+    engine.load_lora_adapter_from_tensors("a", *adapter(lora))
+    for name, oracle in (("a", lora), (None, base)):
+        out = engine.generate(input_ids=[PROMPTS[0]], sampling_params=greedy(name, prompt_logprobs=0))[0]
+        check_against(out, oracle, PROMPTS[0])

@@ -199,14 +199,10 @@ def test_vllm_front_gives_routes_on_each_completion(moe_dir, hf):
 def test_grpo_with_routing_replay_learns_on_a_tiny_moe(tmp_path):
     """examples/grpo.py --routing-replay on a tiny Qwen3-MoE (2 MoE layers, 8 experts, top-2): the
     reward of the repeat task climbs, and the engine-trainer gap stays float32 noise."""
-    import importlib.util
-    from pathlib import Path
+    from test_rl_parts import load_example
 
     folder = build_checkpoint(tmp_path / "moe", "qwen3_moe", seed=0)
-    path = Path(__file__).resolve().parents[1] / "examples" / "grpo.py"
-    spec = importlib.util.spec_from_file_location("grpo_example", path)
-    grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grpo)
+    grpo = load_example("grpo")
     cfg = grpo.Config(model=str(folder), steps=20, batch=8, n=8, minibatches=1, seed=0, device="cpu",
                       progress=False, routing_replay=True)  # fmt: skip
     history = grpo.train(cfg)

@@ -26,7 +26,7 @@ UNSUPPORTED = {
     "bias": ("none", None),
     "lora_bias": (False, None),
     "layer_replication": (None,),
-    "target_parameters": (None, [], ()),
+    "target_parameters": (None, [], (), set()),  # PEFT leaves an empty set on MoE models
     "trainable_token_indices": (None,),
 }
 
