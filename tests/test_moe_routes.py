@@ -210,3 +210,33 @@ def test_grpo_with_routing_replay_learns_on_a_tiny_moe(tmp_path):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, [round(r, 3) for r in rewards]
     assert max(h["logprob_gap/max"] for h in history) < 1e-3
     assert all("routes/differ" not in h for h in history)  # replayed: nothing to report
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_matches_transformers_with_routes(moe_dir, hf):
+    """Float32 on CUDA: the fused Triton experts, decode steps replayed from CUDA graphs (19 sequences
+    pad to a captured size of 24: padding rows get no expert work), routes and logprobs against the CPU
+    transformers model."""
+    engine = Engine(moe_dir, device="cuda", dtype="float32", page_size=16, enable_return_routed_experts=True)
+    prompts = [PROMPT, PROMPT[4:30], PROMPT[:9]]
+    params = SamplingParams(
+        temperature=1.0,
+        n=6,
+        max_new_tokens=12,
+        ignore_eos=True,
+        logprobs=True,
+        return_routed_experts=True,
+        seed=3,
+    )
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=True,
+                            return_routed_experts=True)  # fmt: skip
+    outs = engine.generate(input_ids=prompts, sampling_params=[params, params, greedy])
+    assert engine.stats.graph_steps > 0
+    assert assert_routes_match(hf, outs) == 13
+    for o in outs:
+        for c in o.outputs:
+            tokens = o.prompt_token_ids + c.token_ids
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, :-1].double(), -1)
+            want = lp[len(o.prompt_token_ids) - 1 :].gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max() < 1e-4
