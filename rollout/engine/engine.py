@@ -32,6 +32,7 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
+from rollout.engine.driver import run_to_end
 from rollout.engine.inputs import (
     check_lengths,
     check_params,
@@ -507,15 +508,14 @@ class Engine:
     def _run_to_end(self, num_seqs: int, show: bool) -> dict[Hashable, RequestOutput]:
         bar = tqdm(total=num_seqs, desc="generate", unit="seq", disable=not show, dynamic_ncols=True)
         t0, before = time.perf_counter(), (dict(self._totals), self.scheduler.num_preemptions)
-        done: dict[Hashable, RequestOutput] = {}
+
+        def progress(out: RequestOutput) -> None:
+            bar.update(len(out.outputs))
+            tok_s = (self._totals["decode_tokens"] - before[0]["decode_tokens"]) / (time.perf_counter() - t0)
+            bar.set_postfix_str(f"{tok_s:.0f} tok/s", refresh=False)
+
         try:
-            while self.scheduler.requests:
-                for out in self.step():
-                    done[out.request_id] = out
-                    bar.update(len(out.outputs))
-                    elapsed = time.perf_counter() - t0
-                    tok_s = (self._totals["decode_tokens"] - before[0]["decode_tokens"]) / elapsed
-                    bar.set_postfix_str(f"{tok_s:.0f} tok/s", refresh=False)
+            done = run_to_end(self, progress)
         except BaseException:
             self._abort_everything()  # free every page so the engine stays usable
             raise
