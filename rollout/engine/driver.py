@@ -101,10 +101,14 @@ class StepDriver:
                 del self.owners[rid]
             self.front.failed(e, ended)
             return
-        owners = self.owners
-        self.front.deliver(
-            [(owners.pop(o.request_id, None) if o.finished else owners.get(o.request_id), o) for o in outs]
-        )
+        if outs:  # most decode steps of unstreamed requests end none
+            owners = self.owners
+            self.front.deliver(
+                [
+                    (owners.pop(o.request_id, None) if o.finished else owners.get(o.request_id), o)
+                    for o in outs
+                ]
+            )
 
     # -- commands (run between steps, on the driver's thread) -------------------------------------
     def add(

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.engine.chat import load_tokenizer
 from rollout.engine.driver import PAUSE_MODES, PauseMode
-from rollout.engine.engine import Engine, load_tokenizer
+from rollout.engine.engine import Engine
 from rollout.engine.inputs import normalize_prompts
 from rollout.fronts.async_front import REQUEST_METHODS, AsyncFront, deliver
 from rollout.fronts.stream_deltas import StreamedText, merge
