@@ -40,7 +40,7 @@ from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
 from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode
 from rollout.engine import Engine, _load_tokenizer
 from rollout.outputs import RequestOutput, TokenDelta
-from rollout.process import _stop_child, encode_args, reap, serve_child
+from rollout.process import encode_args, reap, serve_child
 from rollout.requests import normalize_prompts
 from rollout.sampling import SamplingParams
 from rollout.stream_deltas import StreamedText, merge
@@ -111,7 +111,7 @@ class ProcessAsyncEngine(AsyncFront):
         )
         self._proc.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _stop_child, self._conn, self._proc)
+        self._finalizer = weakref.finalize(self, _stop_worker, self._conn, self._proc)
         self.tokenizer = _load_tokenizer(str(model))  # while the child loads the model
         self._facts = self._wait_started(start_timeout)
         self._start_threads()
@@ -395,6 +395,17 @@ class ProcessAsyncEngine(AsyncFront):
             self._closed = True
         self._finalizer.detach()
         self._conn.close()
+
+
+def _stop_worker(conn: Any, proc: Any) -> None:
+    """The finalizer of a ProcessAsyncEngine never closed (the script exited without close()): ask
+    the worker to close, as close() does (the worker reads lists of commands), then reap it."""
+    try:
+        conn.send([Call(0, CLOSE, (), {})])
+    except (OSError, ValueError):
+        pass
+    reap(proc, CLOSE_TIMEOUT_S)
+    conn.close()
 
 
 def _detach(conn: Any) -> None:
