@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         "--served-model-name", default=None, help="the model's name in the API (default: the folder's)"
     )
     ap.add_argument("--host", default="127.0.0.1", help="the address to bind")
-    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--port", type=int, default=30000, help="the port to listen on")
     ap.add_argument(
         "--api-key",
         default=None,
