@@ -104,9 +104,13 @@ def check_lengths(
 
 def _ids_hint(prompts: Any) -> str:
     """Token ids passed as prompts: say where they go."""
-    looks_like_ids = isinstance(prompts, Seq) and prompts and all(
-        _is_int(p) or (isinstance(p, Seq) and not isinstance(p, str) and all(_is_int(t) for t in p))
-        for p in prompts
+    looks_like_ids = (
+        isinstance(prompts, Seq)
+        and prompts
+        and all(
+            _is_int(p) or (isinstance(p, Seq) and not isinstance(p, str) and all(_is_int(t) for t in p))
+            for p in prompts
+        )
     )
     return "; token ids go in input_ids= (generate(input_ids=[[5, 6, 7]]))" if looks_like_ids else ""
 

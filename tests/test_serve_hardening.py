@@ -28,8 +28,7 @@ KEY = "k3y-for-tests"
 # the toy template, refusing a role as real templates do (jinja2's raise_exception)
 STRICT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
-    "{% endfor %}"
-    + CHAT_TEMPLATE
+    "{% endfor %}" + CHAT_TEMPLATE
 )
 
 
