@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rollout import Engine, SamplingParams
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_a_stand_in_memory_saver_says_nothing_at_exit(caplog):
 
 
 def test_building_a_toy_checkpoint_warns_nothing_about_torch_dtype(tmp_path):
-    code = f"from rollout.toy import build_checkpoint; build_checkpoint({str(tmp_path / 'm')!r})"
+    code = f"from rollout.models.toy import build_checkpoint; build_checkpoint({str(tmp_path / 'm')!r})"
     r = subprocess.run(
         [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300
     )

@@ -19,8 +19,8 @@ import pytest
 import torch
 from serve_proc import ServeProcess
 
+from rollout.models.toy import CHAT_TEMPLATE, build_checkpoint
 from rollout.serve.tensor_wire import encode_safetensors
-from rollout.toy import CHAT_TEMPLATE, build_checkpoint
 
 pytestmark = pytest.mark.slow
 

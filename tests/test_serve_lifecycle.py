@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serve_proc import ServeProcess, free_port
 
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,12 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from rollout.async_front import AsyncFront
+from rollout.fronts.async_front import AsyncFront
+from rollout.fronts.stream_deltas import join
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.process import freeze_heap
+from rollout.process.child import freeze_heap
 from rollout.sampling import SamplingParams
+from rollout.serve import chat as C
 from rollout.serve import errors, inputs
 from rollout.serve import protocol as P
 from rollout.serve import tensor_wire as wire
@@ -32,7 +34,6 @@ from rollout.serve.disconnect import ClientGone, unless_disconnected
 from rollout.serve.errors import ApiError
 from rollout.serve.guard import Guard, api_key_check
 from rollout.serve.policy import Policy
-from rollout.stream_deltas import join
 
 OPENAI = Names()
 COMPLETIONS = Names(top_logprobs="logprobs")
@@ -50,10 +51,12 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     before_shutdown: Callable[[], None] | None = None,
+    parsers: C.ChatParsers | None = None,
     policy: Policy | None = None,
 ) -> FastAPI:
     """The app over `engine`; it shuts the engine down when the server stops, after `before_shutdown`
-    (run in a thread: the other server processes over the engine stop first). `policy`: the Host
+    (run in a thread: the other server processes over the engine stop first). `parsers`: the
+    tool-call and reasoning parsers chat completions split their outputs with. `policy`: the Host
     allow-list, body caps, per-request bounds and the pickle opt-in (rollout/serve/policy.py)."""
     policy = policy or Policy()
     if policy.allow_pickle and api_key is None:
@@ -83,7 +86,7 @@ def build_app(
         return Response(status_code=499)  # nobody reads it: the client left
 
     auth = [Depends(api_key_check(api_key))] if api_key is not None else []  # none: no per-request work
-    _openai(app, engine, model_name, auth, policy)
+    _openai(app, engine, model_name, auth, parsers or C.ChatParsers(), policy)
     _sglang(app, engine, model_name, auth, policy)
     return app
 
@@ -103,7 +106,9 @@ def _check_model(model: str | None, model_name: str) -> None:
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------
-def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list, policy: Policy) -> None:
+def _openai(
+    app: FastAPI, engine: AsyncFront, model_name: str, auth: list, parsers: C.ChatParsers, policy: Policy
+) -> None:
     tok = engine.tokenizer
 
     @app.get("/v1/models", dependencies=auth)
@@ -148,20 +153,24 @@ def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list, polic
         check_counts(policy.bounds, OPENAI, n=req.n, top_logprobs=req.top_logprobs, prompts=1)
         names = _CHAT_NAMES | {"max_new_tokens": _chat_max_field(req)}
         params = _params(req, _chat_max_tokens(req), req.logprobs, req.top_logprobs, names)
-        ids = await inputs.chat_ids(tok, req.messages, req.tools)
+        prompt, plan = await inputs.off_loop(
+            C.prepare, req, tok, parsers, chars=inputs.message_chars(req.messages)
+        )
+        ids = prompt.token_ids
         _check_tokens(policy, replace(OPENAI, max_tokens=names["max_new_tokens"]), [ids], params, engine)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(_stream_chat(engine, ids, params, rid, model_name, req))
+            return _sse(_stream_chat(engine, ids, params, rid, model_name, req, plan))
         out = await unless_disconnected(
             request, engine.generate(input_ids=ids, sampling_params=params, request_id=rid)
         )
         choices = []
         for c in out.outputs:
+            message, reason = C.message(plan, c)
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": _reason(c),
+                "message": message,
+                "finish_reason": reason,
                 "logprobs": {"content": _chat_logprobs(tok, c)} if req.logprobs else None,
             }
             if req.return_token_ids:
@@ -284,6 +293,7 @@ def _completion_logprobs(tok: Any, c: CompletionOutput, start: int = 0) -> dict:
         "token_logprobs": list(c.logprobs or []),
         "top_logprobs": [{_piece(tok, t): lp for t, lp in top.items()} for top in tops],
         "text_offset": offsets,
+        "token_ids": list(c.token_ids),  # pieces can repeat or be empty; the ids say which token
     }
 
 
@@ -291,8 +301,10 @@ def _chat_logprobs(tok: Any, c: CompletionOutput) -> list[dict]:
     tops = c.top_logprobs or [{} for _ in c.token_ids]
     entries = []
     for t, lp, top in zip(c.token_ids, c.logprobs or [], tops):
-        alts = [{"token": _piece(tok, a), "logprob": v, "bytes": None} for a, v in top.items()]
-        entries.append({"token": _piece(tok, t), "logprob": lp, "bytes": None, "top_logprobs": alts})
+        alts = [{"token": _piece(tok, a), "token_id": a, "logprob": v, "bytes": None} for a, v in top.items()]
+        entries.append(
+            {"token": _piece(tok, t), "token_id": t, "logprob": lp, "bytes": None, "top_logprobs": alts}
+        )
     return entries
 
 
@@ -339,17 +351,27 @@ async def _stream_completion(
 
 
 async def _stream_chat(
-    engine: AsyncFront, ids: list[int], params: SamplingParams, rid: str, model: str, req: Any
+    engine: AsyncFront,
+    ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    model: str,
+    req: Any,
+    plan: C.OutputPlan,
 ) -> AsyncIterator[dict]:
     first = True
-    async for out in engine.stream(input_ids=ids, sampling_params=params, request_id=rid):
+    outs = engine.stream(input_ids=ids, sampling_params=params, request_id=rid)
+    async for out, rows in C.deltas(plan, outs):
         choices = []
-        for c in out.outputs:
-            delta = {"content": c.text} | ({"role": "assistant"} if first else {})
-            choice = {"index": c.index, "delta": delta, "finish_reason": _reason(c)}
+        for c, delta, reason in rows:
+            if first:
+                delta = {"role": "assistant", "content": ""} | delta
+            choice = {"index": c.index, "delta": delta, "finish_reason": reason}
             choice["logprobs"] = {"content": _chat_logprobs(engine.tokenizer, c)} if req.logprobs else None
-            if req.return_token_ids:
+            if req.return_token_ids:  # the prompt's ids once, in the first chunk, as vLLM does
                 choice["token_ids"] = c.token_ids
+                if first:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
             choices.append(choice)
         first = False
         yield _body(rid, "chat.completion.chunk", model, choices, None)

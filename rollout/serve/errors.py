@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rollout.async_front import QueueFullError
+from rollout.fronts.async_front import QueueFullError
 
 log = logging.getLogger("rollout")
 

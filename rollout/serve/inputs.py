@@ -2,16 +2,18 @@
 
 The event loop serves every client: tokenising a 4M-character prompt on it took 3.7 s, during which
 /health and every stream waited. Text that is not short is encoded in a worker thread (the tokenizers
-library releases the interpreter lock while it works), as is a chat template.
+library releases the interpreter lock while it works), as is a chat template's rendering.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rollout.serve.errors import ApiError
 
+T = TypeVar("T")
 INLINE_CHARS = 2048  # shorter text is encoded on the loop: a thread hop costs more than the work
 
 
@@ -53,31 +55,16 @@ async def ids_of(tok: Any, prompts: list[Any], field: str) -> list[list[int]]:
     return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 
-async def chat_ids(tok: Any, messages: list[dict], tools: Any, **template_kwargs: Any) -> list[int]:
-    """The chat template's token ids; a template that refuses the messages is a 400 naming them."""
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise ApiError(
-            400, "messages: the model's tokenizer has no chat template; use /v1/completions", param="messages"
-        )
+async def off_loop(fn: Callable[..., T], *args: Any, chars: int) -> T:
+    """`fn(*args)`, in a worker thread when its input (`chars` long) is not short."""
+    if chars <= INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
-    def run() -> list[int]:
-        ids = tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    try:
-        if sum(len(str(m.get("content", ""))) for m in messages) <= INLINE_CHARS:
-            return run()
-        return await asyncio.to_thread(run)
-    except ApiError:
-        raise
-    except Exception as e:  # jinja2's TemplateError (raise_exception in a template), a bad message shape
-        from jinja2 import TemplateError
-
-        if isinstance(e, (TemplateError, ValueError, TypeError, KeyError, IndexError)):
-            raise ApiError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-        raise
+def message_chars(messages: list[dict]) -> int:
+    """About how much text a chat template will render and encode."""
+    return sum(len(str(m.get("content") or "")) for m in messages)
 
 
 def _at(i: int, items: list) -> str:

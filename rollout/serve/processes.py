@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
+from rollout.serve.chat import ChatParsers
 from rollout.serve.policy import Policy
 
 log = logging.getLogger("rollout")
@@ -45,7 +46,8 @@ class ServeSettings:
     max_queued_requests: int | None  # per server process
     graceful_shutdown_s: float
     stream_interval: int = 1
-    policy: Policy = field(default_factory=Policy)
+    parsers: ChatParsers = ChatParsers()  # chat completions' tool-call and reasoning parsers
+    policy: Policy = field(default_factory=Policy)  # hosts, body caps, bounds, the pickle opt-in
 
 
 def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
@@ -119,7 +121,7 @@ def start_fronts(
 def stop_fronts(procs: list, timeout: float) -> None:
     """Wait for the other server processes to drain and exit (they got the signal too), then make
     sure none is left."""
-    from rollout.process import reap
+    from rollout.process.child import reap
 
     for p in procs:
         if p.is_alive():
@@ -131,13 +133,19 @@ def stop_fronts(procs: list, timeout: float) -> None:
 
 def _front(address: str, key: bytes, sock: socket.socket, settings: ServeSettings, tell: Any) -> None:
     """A spawned server process: attach to the engine, serve until told to stop, detach."""
-    from rollout.async_process import ProcessAsyncEngine
+    from rollout.fronts.async_process import ProcessAsyncEngine
     from rollout.serve.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = dict(max_queued_requests=settings.max_queued_requests, stream_interval=settings.stream_interval)
     engine = ProcessAsyncEngine.attach(address, key, **limits)
-    app = build_app(engine, model_name=settings.model_name, api_key=settings.api_key, policy=settings.policy)
+    app = build_app(
+        engine,
+        model_name=settings.model_name,
+        api_key=settings.api_key,
+        parsers=settings.parsers,
+        policy=settings.policy,
+    )
     tell.send(True)
     tell.close()
     watch = EngineWatch(engine)
