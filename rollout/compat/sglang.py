@@ -388,8 +388,7 @@ class Engine:
         group joined (whatever its name), else "weight_update_group"."""
         if isinstance(names, str):
             names, dtypes, shapes = [names], [dtypes], [shapes]
-        if group_name is None:
-            group_name = self._groups[0] if len(self._groups) == 1 else DEFAULT_GROUP
+        group_name = self._default_group(group_name)
 
         def run() -> str:
             count = self.engine.update_weights_from_distributed(
@@ -399,13 +398,21 @@ class Engine:
 
         return self._rl("update_weights_from_distributed", run, weight_version)
 
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> tuple[bool, str]:
+    def destroy_weights_update_group(self, group_name: str | None = None) -> tuple[bool, str]:
+        """Without group_name: the one group joined, else "weight_update_group"."""
+        group_name = self._default_group(group_name)
+
         def run() -> str:
             self.engine.destroy_weights_update_group(group_name)
             self._groups.remove(group_name)
             return f"left weights update group {group_name!r}"
 
         return self._rl("destroy_weights_update_group", run)
+
+    def _default_group(self, group_name: str | None) -> str:
+        if group_name is not None:
+            return group_name
+        return self._groups[0] if len(self._groups) == 1 else DEFAULT_GROUP
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None
