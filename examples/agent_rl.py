@@ -27,7 +27,7 @@ import torch
 from integrations.rl import RolloutBatch, clipped_policy_loss, group_advantages, policy_logprobs
 from integrations.tasks import Problem, Task, answer_score
 from rollout import AsyncEngine, SamplingParams
-from rollout.toy import default_model_dir
+from rollout.models.toy import default_model_dir
 
 
 @dataclass

@@ -13,7 +13,7 @@ from weights_helpers import load_hf
 from rollout import Engine, SamplingParams
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.sampler import SamplingBatch, sample
-from rollout.sequence import Sequence, uniforms
+from rollout.state.sequence import Sequence, uniforms
 
 
 def test_allowed_token_ids_limit_the_draw_and_the_processed_logprobs():

@@ -30,7 +30,7 @@ from rollout.compat.serialize import (
     deserialize_tensors,
     serialize_tensors,
 )
-from rollout.engine import Engine as CoreEngine
+from rollout.engine.engine import Engine as CoreEngine
 from rollout.memory import TAGS
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling import SamplingParams

@@ -22,7 +22,7 @@ from rollout.compat import with_graphs
 from rollout.compat.neutral import refuse
 from rollout.compat.peer_args import VLLM_ENGINE_ARGS, VLLM_SAMPLING_PARAMS
 from rollout.compat.vllm_worker import call, worker_class
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.sampling import SamplingParams as NativeParams
 
 # vLLM's logprobs_mode -> the core's (vLLM's raw_logits / processed_logits have no counterpart)

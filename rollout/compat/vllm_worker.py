@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.weights.bucket import parse_dtype
 
 # extension classes whose methods the worker has built in (they would reach into vLLM itself)

@@ -67,8 +67,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
         default=1,
         help="stream a chunk each N tokens (the first at once): less HTTP and JSON work per token",
     )
+    ap.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="split chat outputs' tool calls into message.tool_calls (hermes, qwen3_coder, llama3_json, "
+        "mistral, pythonic)",
+    )
+    ap.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split chat outputs' <think> blocks into reasoning_content (qwen3, deepseek_r1)",
+    )
     names = _engine_flags(ap)
     args = ap.parse_args(argv)
+    try:  # an unknown parser stops the server here, with the known names
+        from rollout.serve.chat import ChatParsers
+
+        args.parsers = ChatParsers(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as e:
+        ap.error(
+            str(e)
+            .replace("unknown tool-call parser", "--tool-call-parser: unknown")
+            .replace("unknown reasoning parser", "--reasoning-parser: unknown")
+        )
     if args.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.api_server_count < 1:
@@ -86,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     import os
     import signal
 
-    from rollout.async_engine import AsyncEngine
-    from rollout.async_process import ProcessAsyncEngine
+    from rollout.fronts.async_engine import AsyncEngine
+    from rollout.fronts.async_process import ProcessAsyncEngine
+    from rollout.models.toy import default_model_dir
     from rollout.serve import processes as P
     from rollout.serve.app import build_app
-    from rollout.toy import default_model_dir
 
     args, options = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_requests=math.ceil(args.max_queued_requests / count),
         graceful_shutdown_s=args.graceful_shutdown_s,
         stream_interval=args.stream_interval,
+        parsers=args.parsers,
     )
     sock = P.bind(args.host, args.port)  # before the engine starts: a port in use fails at once
     kind = ProcessAsyncEngine if args.engine_mode == "process" else AsyncEngine
@@ -117,7 +139,13 @@ def main(argv: list[str] | None = None) -> None:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
 
-    app = build_app(engine, model_name=settings.model_name, api_key=args.api_key, before_shutdown=stop_fronts)
+    app = build_app(
+        engine,
+        model_name=settings.model_name,
+        api_key=args.api_key,
+        before_shutdown=stop_fronts,
+        parsers=settings.parsers,
+    )
     log.info("serving %s on http://%s:%d (%d server processes)", model, args.host, args.port, count)
     P.run_app(app, settings, [sock], on_exit=pass_on)  # SIGTERM/SIGINT: stop, drain, shut the engine down
 

@@ -22,12 +22,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout.async_front import AsyncFront, QueueFullError
+from rollout.fronts.async_front import AsyncFront, QueueFullError
+from rollout.fronts.stream_deltas import join
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.process import freeze_heap
+from rollout.process.child import freeze_heap
 from rollout.sampling import SamplingParams
+from rollout.serve import chat as C
 from rollout.serve import protocol as P
-from rollout.stream_deltas import join
 
 
 def build_app(
@@ -36,9 +37,11 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     before_shutdown: Callable[[], None] | None = None,
+    parsers: C.ChatParsers | None = None,
 ) -> FastAPI:
     """The app over `engine`; it shuts the engine down when the server stops, after `before_shutdown`
-    (run in a thread: the other server processes over the engine stop first)."""
+    (run in a thread: the other server processes over the engine stop first). `parsers`: the
+    tool-call and reasoning parsers chat completions split their outputs with."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,7 +58,7 @@ def build_app(
     app.state.engine = engine
     _errors(app)
     auth = [Depends(_auth(api_key))] if api_key is not None else []  # none: no per-request dependency
-    _openai(app, engine, model_name, auth)
+    _openai(app, engine, model_name, auth, parsers or C.ChatParsers())
     _sglang(app, engine, model_name, auth)
     return app
 
@@ -91,7 +94,7 @@ def _auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------
-def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> None:
+def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list, parsers: C.ChatParsers) -> None:
     tok = engine.tokenizer
 
     @app.get("/v1/models", dependencies=auth)
@@ -119,25 +122,22 @@ def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(req: P.ChatRequest) -> Any:
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
-        ids = tok.apply_chat_template(
-            req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True
-        )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        prompt, plan = C.prepare(req, tok, parsers)
+        ids = prompt.token_ids
         params = _params(
             req, req.max_completion_tokens or req.max_tokens or 128, req.logprobs, req.top_logprobs
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(_stream_chat(engine, ids, params, rid, model_name, req))
+            return _sse(_stream_chat(engine, ids, params, rid, model_name, req, plan))
         out = await engine.generate(input_ids=ids, sampling_params=params, request_id=rid)
         choices = []
         for c in out.outputs:
+            message, reason = C.message(plan, c)
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": _reason(c),
+                "message": message,
+                "finish_reason": reason,
                 "logprobs": {"content": _chat_logprobs(tok, c)} if req.logprobs else None,
             }
             if req.return_token_ids:
@@ -218,6 +218,7 @@ def _completion_logprobs(tok: Any, c: CompletionOutput) -> dict:
         "token_logprobs": list(c.logprobs or []),
         "top_logprobs": [{_piece(tok, t): lp for t, lp in top.items()} for top in tops],
         "text_offset": [],
+        "token_ids": list(c.token_ids),  # pieces can repeat or be empty; the ids say which token
     }
 
 
@@ -225,8 +226,10 @@ def _chat_logprobs(tok: Any, c: CompletionOutput) -> list[dict]:
     tops = c.top_logprobs or [{} for _ in c.token_ids]
     entries = []
     for t, lp, top in zip(c.token_ids, c.logprobs or [], tops):
-        alts = [{"token": _piece(tok, a), "logprob": v, "bytes": None} for a, v in top.items()]
-        entries.append({"token": _piece(tok, t), "logprob": lp, "bytes": None, "top_logprobs": alts})
+        alts = [{"token": _piece(tok, a), "token_id": a, "logprob": v, "bytes": None} for a, v in top.items()]
+        entries.append(
+            {"token": _piece(tok, t), "token_id": t, "logprob": lp, "bytes": None, "top_logprobs": alts}
+        )
     return entries
 
 
@@ -261,17 +264,27 @@ async def _stream_completion(
 
 
 async def _stream_chat(
-    engine: AsyncFront, ids: list[int], params: SamplingParams, rid: str, model: str, req: Any
+    engine: AsyncFront,
+    ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    model: str,
+    req: Any,
+    plan: C.OutputPlan,
 ) -> AsyncIterator[dict]:
     first = True
-    async for out in engine.stream(input_ids=ids, sampling_params=params, request_id=rid):
+    outs = engine.stream(input_ids=ids, sampling_params=params, request_id=rid)
+    async for out, rows in C.deltas(plan, outs):
         choices = []
-        for c in out.outputs:
-            delta = {"content": c.text} | ({"role": "assistant"} if first else {})
-            choice = {"index": c.index, "delta": delta, "finish_reason": _reason(c)}
+        for c, delta, reason in rows:
+            if first:
+                delta = {"role": "assistant", "content": ""} | delta
+            choice = {"index": c.index, "delta": delta, "finish_reason": reason}
             choice["logprobs"] = {"content": _chat_logprobs(engine.tokenizer, c)} if req.logprobs else None
-            if req.return_token_ids:
+            if req.return_token_ids:  # the prompt's ids once, in the first chunk, as vLLM does
                 choice["token_ids"] = c.token_ids
+                if first:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
             choices.append(choice)
         first = False
         yield _body(rid, "chat.completion.chunk", model, choices, None)

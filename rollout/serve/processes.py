@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from multiprocessing import connection
 from typing import Any
 
+from rollout.serve.chat import ChatParsers
+
 log = logging.getLogger("rollout")
 
 STOP_GRACE_S = 30.0  # past the graceful drain, how long a server process may take to exit
@@ -39,6 +41,7 @@ class ServeSettings:
     max_queued_requests: int | None  # per server process
     graceful_shutdown_s: float
     stream_interval: int = 1
+    parsers: ChatParsers = ChatParsers()  # chat completions' tool-call and reasoning parsers
 
 
 def bind(host: str, port: int, backlog: int = 4096) -> socket.socket:
@@ -109,7 +112,7 @@ def start_fronts(
 def stop_fronts(procs: list, timeout: float) -> None:
     """Wait for the other server processes to drain and exit (they got the signal too), then make
     sure none is left."""
-    from rollout.process import reap
+    from rollout.process.child import reap
 
     for p in procs:
         if p.is_alive():
@@ -121,13 +124,15 @@ def stop_fronts(procs: list, timeout: float) -> None:
 
 def _front(address: str, key: bytes, sock: socket.socket, settings: ServeSettings, tell: Any) -> None:
     """A spawned server process: attach to the engine, serve until told to stop, detach."""
-    from rollout.async_process import ProcessAsyncEngine
+    from rollout.fronts.async_process import ProcessAsyncEngine
     from rollout.serve.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = dict(max_queued_requests=settings.max_queued_requests, stream_interval=settings.stream_interval)
     engine = ProcessAsyncEngine.attach(address, key, **limits)
-    app = build_app(engine, model_name=settings.model_name, api_key=settings.api_key)
+    app = build_app(
+        engine, model_name=settings.model_name, api_key=settings.api_key, parsers=settings.parsers
+    )
     tell.send(True)
     tell.close()
     run_app(app, settings, [sock], on_start=lambda server: _stop_with_engine(engine, server))

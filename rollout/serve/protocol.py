@@ -38,8 +38,12 @@ class CompletionRequest(Strict):
 class ChatRequest(Strict):
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # checked by rollout.chat.tools, which names the wrong field
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a token-exact continuation: turn k's prompt ids (with token_ids on the last assistant message)
+    prompt_token_ids: TokenIds | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0

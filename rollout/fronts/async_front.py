@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any, Literal, Protocol
 
 from rollout.api import STEP_LOOP_METHODS
+from rollout.fronts.stream_deltas import merge
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
-from rollout.stream_deltas import merge
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -71,6 +71,13 @@ class AsyncFront(abc.ABC):
         return self._in_flight
 
     # -- requests ---------------------------------------------------------------------------------
+    def chat_session(self, **options: Any) -> Any:
+        """A token-exact multi-turn chat over this engine (rollout.chat.session.ChatSession: tools,
+        tool_parser, reasoning_parser, chat_template_kwargs)."""
+        from rollout.chat.session import ChatSession
+
+        return ChatSession(self, **options)
+
     async def generate(
         self,
         prompts: str | None = None,
