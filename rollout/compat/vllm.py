@@ -303,7 +303,8 @@ class LLM:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        options = {LLM_ARGS[k]: v for k, v in kwargs.items() if LLM_ARGS[k] is not None and v is not None}
+        honoured = {k: v for k, v in kwargs.items() if LLM_ARGS.get(k) is not None and v is not None}
+        options = {LLM_ARGS[k]: v for k, v in honoured.items()}
         if kwargs.get("enforce_eager"):
             options["cuda_graph"] = False
         if options.get("dtype") == "half":
