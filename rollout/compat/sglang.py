@@ -418,8 +418,10 @@ class Engine:
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None
     ) -> tuple[bool, str]:
         def run() -> str:
-            if load_format not in (None, "auto", "safetensors"):
-                raise ValueError(f"load_format {load_format!r}: only safetensors checkpoints load")
+            if load_format not in (None, "auto", "safetensors", "pt"):
+                raise ValueError(
+                    f"load_format {load_format!r}: safetensors or pytorch_model.bin checkpoints load"
+                )
             return f"loaded {self.engine.update_weights_from_disk(model_path)} tensors from {model_path}"
 
         return self._rl("update_weights_from_disk", run, weight_version)

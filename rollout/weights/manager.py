@@ -27,7 +27,7 @@ from rollout.weights.loader import (
     WeightTarget,
     checkpoint_specs,
     load_checkpoint,
-    safetensors_files,
+    weight_files,
 )
 from rollout.weights.plan import PlanCache, Prepared
 
@@ -259,7 +259,7 @@ def _name_filter(weight_name_filter: Any, path: Path) -> Callable[[str], bool] |
     names = set(weight_name_filter)
     if not all(isinstance(n, str) for n in names):
         raise TypeError("weight_name_filter: every entry must be a str weight name")
-    present = {n for n, _, _ in checkpoint_specs(safetensors_files(path))}
+    present = {n for n, _, _ in checkpoint_specs(weight_files(path))}
     absent = sorted(names - present)
     if absent:
         raise ValueError(f"weight_name_filter: {absent[:3]} not in the checkpoint {str(path)!r}")
