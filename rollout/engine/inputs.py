@@ -82,6 +82,16 @@ def check_params(params: list[SamplingParams], vocab_size: int) -> None:
                     f"sampling_params[{i}].logit_bias holds token id {t}, "
                     f"outside the vocabulary [0, {vocab_size})"
                 )
+        for field_name, ids in (
+            ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("bad_words_ids", [t for word in p.bad_words_ids or () for t in word]),
+        ):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(
+                        f"sampling_params[{i}].{field_name} holds token id {t}, "
+                        f"outside the vocabulary [0, {vocab_size})"
+                    )
         if p.top_logprobs > vocab_size:
             raise ValueError(
                 f"sampling_params[{i}].top_logprobs={p.top_logprobs} exceeds the vocabulary size {vocab_size}"
