@@ -5,7 +5,7 @@ The task: the user asks where the sun is; the model calls get_weather(city) (a r
 by the server's hermes parser into `message.tool_calls`); the tool answers "sunny" for Paris and "rain"
 for Rome and Oslo; the tool's answer goes back as a `role: "tool"` message and the model answers. The
 reward is 1 when the tool said "sunny". The model starts from a short supervised warm start
-(rollout/toy_chat.py) that calls get_weather with one of the three cities at random, so GRPO has a
+(rollout/models/toy_chat.py) that calls get_weather with one of the three cities at random, so GRPO has a
 choice to learn: the probability of Paris rises over the steps.
 
 Each episode continues token-exactly: turn k+1 sends `prompt_token_ids` (turn k's prompt, as
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from integrations.rl import RolloutBatch, clipped_policy_loss, group_advantages, logprob_gap, policy_logprobs
-from rollout import toy_chat
+from rollout.models import toy_chat
 
 TOOLS = [
     {

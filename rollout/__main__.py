@@ -11,7 +11,7 @@ import logging
 import time
 
 from rollout import Engine, SamplingParams
-from rollout.toy import default_model_dir
+from rollout.models.toy import default_model_dir
 
 PROMPTS = ["12+7=", "3*4=", "copy: abc ", "hello ", "99-9=", "2+2=", "the sky ", "count: 1 2 3 "]
 

@@ -21,7 +21,7 @@ import torch
 
 from rollout.compat import with_graphs
 from rollout.compat.serialize import LocalSerializedTensor, MultiprocessingSerializer
-from rollout.engine import Engine as CoreEngine
+from rollout.engine.engine import Engine as CoreEngine
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling import SamplingParams
 from rollout.weights.bucket import FlattenedBucket, parse_dtype

@@ -17,7 +17,7 @@ import torch
 
 from rollout import outputs as native
 from rollout.compat import with_graphs
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.sampling import SamplingParams as NativeParams
 
 # vLLM's logprobs_mode -> the core's (vLLM's raw_logits / processed_logits have no counterpart)

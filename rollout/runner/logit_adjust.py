@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.sequence import Sequence
-from rollout.transfer import Staging, to_device
+from rollout.device.staging import Staging, to_device
+from rollout.state.sequence import Sequence
 
 
 @dataclass

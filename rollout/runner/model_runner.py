@@ -2,7 +2,7 @@
 
 Host work per step is numpy over the batch (no per-request tensor work): the page table comes from a
 mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
-non-blocking copy (transfer.py). Decode steps that fit a captured CUDA graph write straight into its
+non-blocking copy (device/staging.py). Decode steps that fit a captured CUDA graph write straight into its
 static buffers.
 
 A decode batch of the same sequences as the last step (the steady state) reuses what cannot have
@@ -21,18 +21,18 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.device.staging import Staging, to_device
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
+from rollout.runner.prompt_logprobs import prompt_logprobs
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
-from rollout.scoring import prompt_logprobs
-from rollout.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
-from rollout.transfer import Staging, to_device
+from rollout.state.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 
 if TYPE_CHECKING:
     from rollout.lora import LoraManager
-    from rollout.scheduler import ScheduledBatch
+    from rollout.state.scheduled import ScheduledBatch
 
 
 @dataclass
@@ -307,7 +307,7 @@ class ModelRunner:
         in flight, whose sampled tokens are this decode step's pending input ids."""
         inputs, host, seq_ids = self._prepare(batch, prev)
         hidden = self.forward_hidden(inputs)
-        # logprobs of given tokens at the chunk's positions (rollout/scoring.py), before sampling
+        # logprobs of given tokens at the chunk's positions (runner/prompt_logprobs.py), before sampling
         prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
         sampled = host.sampled.tolist()
         if inputs.sampling is None:

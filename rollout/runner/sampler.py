@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rollout.device.staging import Staging, to_device
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.sampling import SamplingParams
-from rollout.transfer import Staging, to_device
 
 
 @dataclass

@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     import os
     import signal
 
-    from rollout.async_engine import AsyncEngine
-    from rollout.async_process import ProcessAsyncEngine
+    from rollout.fronts.async_engine import AsyncEngine
+    from rollout.fronts.async_process import ProcessAsyncEngine
+    from rollout.models.toy import default_model_dir
     from rollout.serve import processes as P
     from rollout.serve.app import build_app
-    from rollout.toy import default_model_dir
 
     args, options = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,13 +22,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rollout.async_front import AsyncFront, QueueFullError
+from rollout.fronts.async_front import AsyncFront, QueueFullError
+from rollout.fronts.stream_deltas import join
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.process import freeze_heap
+from rollout.process.child import freeze_heap
 from rollout.sampling import SamplingParams
 from rollout.serve import chat as C
 from rollout.serve import protocol as P
-from rollout.stream_deltas import join
 
 
 def build_app(

@@ -112,7 +112,7 @@ def start_fronts(
 def stop_fronts(procs: list, timeout: float) -> None:
     """Wait for the other server processes to drain and exit (they got the signal too), then make
     sure none is left."""
-    from rollout.process import reap
+    from rollout.process.child import reap
 
     for p in procs:
         if p.is_alive():
@@ -124,7 +124,7 @@ def stop_fronts(procs: list, timeout: float) -> None:
 
 def _front(address: str, key: bytes, sock: socket.socket, settings: ServeSettings, tell: Any) -> None:
     """A spawned server process: attach to the engine, serve until told to stop, detach."""
-    from rollout.async_process import ProcessAsyncEngine
+    from rollout.fronts.async_process import ProcessAsyncEngine
     from rollout.serve.app import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

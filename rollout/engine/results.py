@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.detok import IncrementalText
+from rollout.engine.detok import IncrementalText
 from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
-from rollout.sequence import Request, Sequence
+from rollout.state.sequence import Request, Sequence
 
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:

@@ -32,8 +32,9 @@ from multiprocessing import connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from rollout.process import _facts, handle_call
-from rollout.wire import CLOSE, Call, Reply, Update, error_reply
+from rollout.process.child import engine_facts
+from rollout.process.engine_process import handle_call
+from rollout.process.wire import CLOSE, Call, Reply, Update, error_reply
 
 log = logging.getLogger("rollout")
 
@@ -207,7 +208,7 @@ class _Worker:
         address and key."""
         if self.listener is None:
             self.listener = connection.Listener(family="AF_UNIX", authkey=self._key)
-            facts = _facts(self.engine)  # read here, between steps, not in the accepting thread
+            facts = engine_facts(self.engine)  # read here, between steps, not in the accepting thread
             accept = threading.Thread(target=self._accept_loop, args=(facts,), name="rollout-worker-accept")
             accept.daemon = True
             accept.start()

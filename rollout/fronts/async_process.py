@@ -2,7 +2,7 @@
 
 In AsyncEngine the step loop is a thread of the caller's process, so under many streaming HTTP clients
 the step loop, the event loop's per-token SSE and JSON work and the detokenizer share one interpreter
-lock, and the device waits for Python. Here the child (rollout/engine_worker.py) owns the Engine and
+lock, and the device waits for Python. Here the child (rollout/process/worker.py) owns the Engine and
 does only `add_request` / `step` / aborts / RL calls; this process keeps the tokenizer (text prompts
 are encoded here, stream text is decoded here) and the callers.
 
@@ -34,17 +34,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rollout import engine_worker as W
-from rollout import ipc
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
-from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode
-from rollout.engine import Engine, _load_tokenizer
+from rollout.engine.engine import Engine, load_tokenizer
+from rollout.engine.inputs import normalize_prompts
+from rollout.fronts.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode
+from rollout.fronts.stream_deltas import StreamedText, merge
 from rollout.outputs import RequestOutput, TokenDelta
-from rollout.process import _stop_child, encode_args, reap, serve_child
-from rollout.requests import normalize_prompts
+from rollout.process import ipc
+from rollout.process import worker as W
+from rollout.process.child import reap, serve_child, stop_child
+from rollout.process.engine_process import encode_args
+from rollout.process.wire import CLOSE, GET, Call, Reply, Update, unwrap
 from rollout.sampling import SamplingParams
-from rollout.stream_deltas import StreamedText, merge
-from rollout.wire import CLOSE, GET, Call, Reply, Update, unwrap
 
 log = logging.getLogger("rollout")
 
@@ -111,8 +112,8 @@ class ProcessAsyncEngine(AsyncFront):
         )
         self._proc.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _stop_child, self._conn, self._proc)
-        self.tokenizer = _load_tokenizer(str(model))  # while the child loads the model
+        self._finalizer = weakref.finalize(self, stop_child, self._conn, self._proc)
+        self.tokenizer = load_tokenizer(str(model))  # while the child loads the model
         self._facts = self._wait_started(start_timeout)
         self._start_threads()
 
@@ -138,7 +139,7 @@ class ProcessAsyncEngine(AsyncFront):
         self._conn, self._proc = Client(address, family="AF_UNIX", authkey=authkey), None
         self._finalizer = weakref.finalize(self, _detach, self._conn)
         self._facts = self._wait_started(timeout)
-        self.tokenizer = _load_tokenizer(self._facts["model_path"])
+        self.tokenizer = load_tokenizer(self._facts["model_path"])
         self._start_threads()
         return self
 

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Hashable
 from typing import Any, Literal, Protocol
 
 from rollout.api import STEP_LOOP_METHODS
+from rollout.fronts.stream_deltas import merge
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
-from rollout.stream_deltas import merge
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")

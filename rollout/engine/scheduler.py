@@ -19,29 +19,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 from rollout.cache.pages import PageManager
+from rollout.engine.stop import StopChecker
 from rollout.runner.batch import StepOutput
-from rollout.sequence import PENDING, Request, Sequence, Status
-from rollout.stop import StopChecker
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]
-    chunks: list[int]  # tokens each sequence computes this step
-    decode: bool
-    decodes: int = 0  # a prefill step's last rows that decode one token each (mixed steps)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.chunks)
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens of the step that extend an output (the rest compute prompts)."""
-        return self.num_tokens if self.decode else self.decodes
+from rollout.state.scheduled import ScheduledBatch
+from rollout.state.sequence import PENDING, Request, Sequence, Status
 
 
 class Scheduler:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.detok import IncrementalText
-from rollout.sequence import Sequence
+from rollout.engine.detok import IncrementalText
+from rollout.state.sequence import Sequence
 
 
 class StopChecker:

@@ -5,7 +5,7 @@ the engine between steps, runs `Engine.step`, and hands each output back to the 
 with `loop.call_soon_threadsafe`. Everything that touches the engine (adds, aborts, pauses, weight
 updates, memory release) runs on the loop thread between two steps, so no call interleaves with a step
 and there is no second step loop: this is `Engine.add_request` / `step` / `abort_request`, driven.
-ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process,
+ProcessAsyncEngine (rollout/fronts/async_process.py) has the same methods with the loop in a child process,
 which keeps the callers' Python work (an HTTP server's) from holding the step loop up.
 
 Pausing (`pause_generation`) has SGLang's three modes:
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
-from rollout.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode, QueueFullError
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
+from rollout.fronts.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode, QueueFullError
+from rollout.fronts.stream_deltas import cut, merge
 from rollout.outputs import RequestOutput
-from rollout.stream_deltas import cut, merge
 
 __all__ = ["AsyncEngine", "PAUSE_MODES", "PauseMode", "QueueFullError"]
 
@@ -93,7 +93,7 @@ class _Channel:
 
 class AsyncEngine(AsyncFront):
     """An Engine whose step loop runs in a background thread; see the module docstring.
-    ProcessAsyncEngine (rollout/async_process.py) has the same methods with the loop in a child process."""
+    ProcessAsyncEngine (fronts/async_process.py) has the same methods with the loop in a child process."""
 
     def __init__(
         self,

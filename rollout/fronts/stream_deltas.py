@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rollout.detok import IncrementalText
+from rollout.engine.detok import IncrementalText
 from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
 
 

@@ -47,7 +47,8 @@ class Sequence:
     num_emitted_chars: int = 0  # and characters of text
     # the prompt's other samples wait for this one's prefill, then share its cached prompt pages
     followers: list[Sequence] = field(default_factory=list)
-    # logprobs of given tokens (rollout/scoring.py): the index of the first token to score, or None
+    # logprobs of given tokens (engine/scoring.py, runner/prompt_logprobs.py): the index of the first
+    # token to score, or None
     logprobs_from: int | None = None
     score_only: bool = False  # Engine.score: finish after the prefill, sample nothing
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprobs_from, ...

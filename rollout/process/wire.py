@@ -1,5 +1,5 @@
 """What crosses the pipe between a parent and an engine's child: EngineProcess's calls and answers, and
-the engine worker's (rollout/engine_worker.py) one update per step."""
+the engine worker's (rollout/process/worker.py) one update per step."""
 
 from __future__ import annotations
 

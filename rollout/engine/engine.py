@@ -32,19 +32,26 @@ from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
+from rollout.engine.inputs import (
+    check_lengths,
+    check_params,
+    check_prompts,
+    normalize_params,
+    normalize_prompts,
+)
+from rollout.engine.results import request_output, token_deltas
+from rollout.engine.scheduler import Scheduler
+from rollout.engine.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
+from rollout.engine.stop import StopChecker
 from rollout.lora import LoraManager
 from rollout.memory import TAGS, MemoryManager, check_tags, make_memory_saver
 from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput, TokenDelta
-from rollout.requests import check_lengths, check_params, check_prompts, normalize_params, normalize_prompts
-from rollout.results import request_output, token_deltas
 from rollout.runner.model_runner import Launched, ModelRunner
 from rollout.sampling import SamplingParams
-from rollout.scheduler import ScheduledBatch, Scheduler
-from rollout.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
-from rollout.sequence import Request, Sequence
-from rollout.stop import StopChecker
+from rollout.state.scheduled import ScheduledBatch
+from rollout.state.sequence import Request, Sequence
 from rollout.weights import broadcast
 from rollout.weights.loader import build_model, load_checkpoint
 from rollout.weights.manager import WeightManager
@@ -146,7 +153,7 @@ class Engine:
             done("model")
             load_checkpoint(self.model, cfg.model, fresh=True)
             done("weights")
-        self.tokenizer = _load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
         done("tokenizer")
         # adapter slots before the KV pool, which is sized from what is left
         self.lora = (
@@ -834,7 +841,7 @@ class Engine:
         self.shutdown()
 
 
-def _load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> Any:
     folder = Path(path)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

@@ -2,8 +2,8 @@
 
 Its methods are generated from the one list of the engine's public methods (rollout/api.py), with
 Engine's signatures and docstrings, so the two never drift; `add_request` / `step` cross too. Calls
-travel over a pipe (rollout/wire.py). Tensors among the arguments travel as handles (CUDA IPC on a
-GPU, shared memory on a CPU; see rollout/ipc.py), never as pickled bytes; a long list of CPU tensors
+travel over a pipe (rollout/process/wire.py). Tensors among the arguments travel as handles (CUDA IPC on a
+GPU, shared memory on a CPU; see rollout/process/ipc.py), never as pickled bytes; a long list of CPU tensors
 crosses as one flattened bucket (one file descriptor, not one per tensor). The child finishes the call,
 synchronises its device and drops the tensors it opened before it answers, so once a call has
 returned the sender may overwrite or free its buffers. An exception raised in the child, also one
@@ -16,23 +16,21 @@ copies the previous one; answers come back in order.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import itertools
 import multiprocessing as mp
-import os
 import pickle
 import weakref
-from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from rollout import ipc
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
+from rollout.process import ipc
+from rollout.process.child import serve_child, stop_child
+from rollout.process.wire import CLOSE, GET, Call, RemoteTraceback, Reply, error_reply, unwrap
 from rollout.weights.bucket import empty_buffer, pack
-from rollout.wire import CLOSE, GET, Call, RemoteTraceback, Reply, error_reply, unwrap
 
 __all__ = [
     "EngineProcess",
@@ -40,11 +38,9 @@ __all__ = [
     "RemoteTraceback",
     "encode_args",
     "handle_call",
-    "reap",
-    "serve_child",
+    "serve_calls",
 ]
 
-KILL_GRACE_S = 3.0  # after terminate(), how long a child gets before it is killed
 BUCKET_FROM = 32  # CPU tensor lists at least this long cross as one bucket
 
 
@@ -74,7 +70,7 @@ class EngineProcess:
         self._pending: list[PendingCall] = []
         self._done: dict[int, Reply] = {}
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop_child, self._conn, self._proc)
+        self._finalizer = weakref.finalize(self, stop_child, self._conn, self._proc)
         if not self._conn.poll(start_timeout):
             self.close()
             raise TimeoutError(f"the engine process did not start within {start_timeout:g}s")
@@ -153,7 +149,7 @@ class EngineProcess:
             pass  # the child died; _recv said so
         self._closed = True
         self._finalizer.detach()
-        _stop_child(self._conn, self._proc, timeout)
+        stop_child(self._conn, self._proc, timeout)
 
     def shutdown(self) -> None:
         """Engine.shutdown: here it stops the child process (see close)."""
@@ -166,28 +162,8 @@ class EngineProcess:
         self.close()
 
 
-def _stop_child(conn: Any, proc: Any, timeout: float = 30.0) -> None:
-    try:
-        conn.send(Call(0, CLOSE, (), {}))
-    except (OSError, ValueError):
-        pass
-    reap(proc, timeout)
-    conn.close()
-
-
-def reap(proc: Any, timeout: float) -> None:
-    """Wait `timeout` for a child asked to stop, then terminate it, then kill it; it is always reaped."""
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(KILL_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(KILL_GRACE_S)
-
-
 def encode_args(method: str, args: tuple, kwargs: dict) -> tuple[bytes, set]:
-    """A call's arguments pickled once, tensors as handles (see rollout/ipc.py); also the devices of
+    """A call's arguments pickled once, tensors as handles (see rollout/process/ipc.py); also the devices of
     those tensors (the caller runs `ipc.release()` after the answer when one is a GPU)."""
     devices: set = set()
     if method == "update_weights_from_tensor":
@@ -254,58 +230,10 @@ for _name in ENGINE_PROPERTIES:
 
 # -- the child ------------------------------------------------------------------------------------
 def _serve(conn: Any, model: str, options: dict) -> None:
-    serve_child(conn, model, options, _serve_calls)
+    serve_child(conn, model, options, serve_calls)
 
 
-def serve_child(conn: Any, model: str, options: dict, loop: Callable[[Any, Any], None]) -> None:
-    """A spawned child's body: build the Engine, send its facts (or the start-up error), run
-    `loop(conn, engine)`, shut the engine down."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
-    try:
-        from rollout.engine import Engine
-
-        engine = Engine(model, **options)
-    except BaseException as e:  # report start-up errors (a bad path, a bad option) to the parent
-        conn.send(error_reply(0, e))
-        conn.close()
-        return
-    freeze_heap()
-    conn.send(Reply(0, True, _facts(engine)))
-    try:
-        loop(conn, engine)
-    finally:
-        engine.shutdown()
-        conn.close()
-        gc.unfreeze()
-
-
-def freeze_heap() -> None:
-    """Move what start-up built (modules, the model, the app) out of the collector's sight, in a process
-    of ours about to serve. Otherwise each full collection walks those few hundred thousand objects:
-    a 50-200 ms pause of the step loop or the event loop, which a burst of requests sets off. The
-    process unfreezes them once it stops serving, so that they are finalised at its exit (else
-    extension modules report them as leaked)."""
-    gc.collect()
-    gc.freeze()
-
-
-def _facts(engine: Any) -> dict:
-    return {
-        "pid": os.getpid(),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype),
-        "model_path": str(engine.config.model),
-        "tp_rank": engine.tp.rank,
-        "max_model_len": engine.max_model_len,
-        "pool_tokens": engine.pool_tokens,
-        # a trainer packs buckets in this order so that each loads as one copy
-        "weight_order": engine.weights.storage_order(),
-    }
-
-
-def _serve_calls(conn: Any, engine: Any) -> None:
+def serve_calls(conn: Any, engine: Any) -> None:
     while True:
         try:
             req: Call = conn.recv()
