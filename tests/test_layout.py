@@ -1,5 +1,5 @@
 """The package's import direction: serve/compat -> fronts -> process -> engine -> runner -> state ->
-attention/cache/models/lora/memory/weights -> layers/device and the top-level value modules. No import
+attention/cache/models/lora/memory/weights -> layers/device/parsers/chat and the top-level value modules. No import
 cycles, no imports of another module's underscore names, `rollout` never imports `integrations`, and
 the checker catches a planted wrong-way import, cycle and private name (docs/architecture.md)."""
 
@@ -18,6 +18,8 @@ PACKAGES = ("rollout", "integrations")
 RANKS = {
     "layers": 0,
     "device": 0,
+    "parsers": 0,  # text in, text out: tool-call and reasoning parsers
+    "chat": 0,  # chat requests with tools (the parsers, sampling): used by fronts/ and serve/
     "attention": 1,
     "cache": 1,
     "models": 1,

@@ -92,6 +92,13 @@ class AsyncFront(abc.ABC):
         return self._in_flight
 
     # -- requests ---------------------------------------------------------------------------------
+    def chat_session(self, **options: Any) -> Any:
+        """A token-exact multi-turn chat over this engine (rollout.chat.session.ChatSession: tools,
+        tool_parser, reasoning_parser, chat_template_kwargs)."""
+        from rollout.chat.session import ChatSession
+
+        return ChatSession(self, **options)
+
     async def generate(
         self,
         prompts: str | None = None,
@@ -133,7 +140,8 @@ class AsyncFront(abc.ABC):
         stream: bool,
     ) -> AsyncIterator[RequestOutput]:
         if prompt is not None and not isinstance(prompt, str):
-            raise TypeError("prompts must be one str (one prompt per call)")
+            hint = "; token ids go in input_ids=" if isinstance(prompt, (list, tuple)) else ""
+            raise TypeError(f"prompts must be one str (one prompt per call){hint}")
         rid = uuid.uuid4().hex if request_id is None else request_id
         self._reserve()
         added = finished = False
