@@ -1,7 +1,8 @@
 """The package's import direction: serve/compat -> fronts -> process -> engine -> runner -> state ->
-attention/cache/models/lora/memory/weights -> layers/device/parsers/chat and the top-level value modules. No import
-cycles, no imports of another module's underscore names, `rollout` never imports `integrations`, and
-the checker catches a planted wrong-way import, cycle and private name (docs/architecture.md)."""
+attention/cache/models/lora/memory/weights -> layers/device/parsers/chat and the top-level value
+modules. No import cycles, no imports of another module's underscore names, `rollout` never imports
+`integrations`, and the checker catches a planted wrong-way import, cycle and private name
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
