@@ -26,6 +26,8 @@ class CompletionOutput:
     # with SamplingParams.return_routed_experts (MoE models): int32 tensor [prompt + output tokens - 1,
     # MoE layers, top_k], the experts each MoE layer chose for each token in the forward that computed it
     routed_experts: Any = None
+    # with SamplingParams.logprob_ranks: each sampled token's rank (1 = the most likely), else None
+    logprob_ranks: list[int] | None = None
 
 
 @dataclass
