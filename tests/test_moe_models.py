@@ -143,6 +143,10 @@ def test_bad_expert_tensors_are_refused_with_the_weights_intact(moe_dirs, tmp_pa
         "wrong expert shape": ([*good, (f"{EXPERT}.2.down_proj.weight", gate_up[2])], "shape"),
         "expert out of range": ([*good, (f"{EXPERT}.8.gate_proj.weight", gate_up[0, :32])], "expert 8"),
         "non-finite expert": (swap(f"{EXPERT}.gate_up_proj", nan), "NaN"),
+        "fused and per-expert at once": (
+            [*good, (f"{EXPERT}.4.up_proj.weight", gate_up[4, 32:])],
+            "both write",
+        ),
         "not an experts module": (
             [("model.layers.1.mlp.experts.0.gate_proj.weight", gate_up[0, :32])],
             "unknown weight name",
@@ -181,3 +185,18 @@ def test_lora_on_the_attention_of_moe_models_equals_peft(moe_dirs, family):
     for name, oracle in (("a", lora), (None, base)):
         out = engine.generate(input_ids=[PROMPTS[0]], sampling_params=greedy(name, prompt_logprobs=0))[0]
         check_against(out, oracle, PROMPTS[0])
+
+
+def test_discarded_weights_come_back_with_a_fused_update(moe_dirs):
+    """release without a backup discards the weights; a transformers 5 update (fused names) covers every
+    per-expert name, so the engine generates again and runs the trainer's model."""
+    path = moe_dirs["qwen3_moe"]
+    engine = engine_for(path)
+    engine.release_memory_occupation()
+    engine.resume_memory_occupation()
+    with pytest.raises(RuntimeError, match="discarded"):
+        outputs(engine)
+    trainer = perturb(load_hf(path), seed=6)
+    engine.update_weights_from_tensor([(n, p.detach()) for n, p in trainer.named_parameters()])
+    tokens, logprobs = outputs(engine, [PROMPTS[0]])
+    assert tokens[0] == hf_greedy(trainer, PROMPTS[0], len(tokens[0]))

@@ -155,7 +155,19 @@ def resolve_all(
             raise ValueError(f"weight {name!r} appears twice in one update")
         seen.add(name)
         targets.append(resolve(model, name, shape, dtype))
+    if getattr(model, "covers", None) is not None:
+        _check_overlap(model, [t.name for t in targets if t is not None])
     return targets
+
+
+def _check_overlap(model: nn.Module, names: list[str]) -> None:
+    """Refuse two names that write the same weight (an MoE's fused experts tensor and one of its
+    per-expert tensors): which one wins would depend on their order."""
+    owner: dict[str, str] = {}
+    for name in names:
+        for canonical in model.covers(name):
+            if owner.setdefault(canonical, name) != name:
+                raise ValueError(f"weights {owner[canonical]!r} and {name!r} both write {canonical!r}")
 
 
 # -- one update's plan: validated once, then copies (plan.py caches them per signature) ------------
