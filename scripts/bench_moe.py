@@ -10,8 +10,8 @@ random fill), so an 80 GB H100 holds the engine with a small KV pool.
            (attention/dense weights + the experts the step hits + KV bytes) / copy bandwidth. Experts
            hit per MoE layer are counted from the step's routes (the engine's route store).
   grpo     64 prompts x n=8 (--prompt-len, --new-tokens), tokens/s of Engine.generate, against
-           transformers generate in its fastest experts implementation (grouped_mm or batched_mm,
-           timed on a short run first), same shapes, in the same run
+           transformers generate in its fastest experts implementation (grouped_mm or eager, timed on
+           a short run first; batched_mm copies weights per token and does not fit), in the same run
   r3       the grpo run again with enable_return_routed_experts and every request asking for routes
   sync     update_weights_from_tensor of every weight in transformers 5's layout (fused experts),
            one layer's tensors at a time, against bytes / copy bandwidth
@@ -186,7 +186,16 @@ def hf_generate(
         sync()
         return rows * tokens / (time.perf_counter() - t)
 
-    quick = {impl: run(impl, 8, min(len(ids), 64)) for impl in ("grouped_mm", "batched_mm")}
+    # batched_mm gathers a weight copy per (token, expert): out of memory at these widths
+    quick = {}
+    for impl in ("grouped_mm", "eager"):
+        try:
+            quick[impl] = run(impl, 8, min(len(ids), 64))
+        except (RuntimeError, ValueError) as e:  # not available in this torch, or out of memory
+            print(f"transformers experts_implementation={impl}: {type(e).__name__}: {str(e)[:200]}")
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    if not quick:
+        raise RuntimeError("transformers generate failed in every experts implementation (see above)")
     best = max(quick, key=quick.get)
     return dict(impl=best, quick=quick, tokens_per_s=run(best, new_tokens, min(rows, len(ids))))
 
@@ -220,6 +229,16 @@ def weight_sync(engine: Engine, bandwidth: float) -> dict:
     seconds = time.perf_counter() - t
     nbytes = sum(t.numel() * t.element_size() for named in updates for _, t in named)
     return dict(seconds=seconds, gbytes=nbytes / GB, floor_s=2 * nbytes / bandwidth)
+
+
+def release(engine: Engine) -> None:
+    """Give the engine's device memory back before the next 61 GB model is made."""
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"after release: {torch.cuda.memory_allocated() / GB:.1f} GB allocated", flush=True)
 
 
 def main() -> None:
@@ -266,9 +285,7 @@ def main() -> None:
     results["sync"] = s
     print(f"weight sync {s['gbytes']:.1f} GB in {s['seconds']:.2f}s, copy floor {s['floor_s']:.2f}s, "
           f"ratio {s['seconds'] / s['floor_s']:.2f}x", flush=True)  # fmt: skip
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    release(engine)
 
     engine = make_engine(path, **options)
     without = engine_generate(engine, ps, args.n, args.new_tokens, routes=False)
@@ -279,9 +296,7 @@ def main() -> None:
         f"grpo routes off: {without:,.0f} tok/s; R3 costs {100 * (1 - with_routes / without):.1f}%",
         flush=True,
     )
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    release(engine)
 
     if not args.skip_hf:
         hf = hf_generate(path, ps, args.n, args.new_tokens, args.hf_rows, device)
