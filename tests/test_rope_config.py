@@ -79,6 +79,8 @@ EXPECTED = {  # name: (head_dim, GQA group, tied, sliding window the engine hono
     "llama-3.1-8b": (128, 4, False, None, "llama3"),
     "mistral-7b-v0.1": (128, 4, False, 4096, "default"),
     "mistral-7b-v0.3": (128, 4, False, None, "default"),
+    "qwen3-30b-a3b": (128, 8, False, None, "default"),
+    "qwen1.5-moe-a2.7b": (128, 1, False, None, "default"),  # sliding_window 32768, use_sliding_window false
 }
 
 
@@ -90,7 +92,8 @@ def test_published_config_facts(name, tmp_path):
     assert mc.sliding_window == window
     assert (mc.rope_scaling or {}).get("rope_type", "default") == kind
     assert mc.torch_dtype == "bfloat16" and mc.eos_token_ids == (cf.PUBLISHED[name]["eos_token_id"],)
-    assert mc.qkv_bias == (mc.architecture == "Qwen2ForCausalLM") and not mc.o_bias and not mc.mlp_bias
+    qkv_bias = mc.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    assert mc.qkv_bias == qkv_bias and not mc.o_bias and not mc.mlp_bias
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b", "mistral-7b-v0.3"])
