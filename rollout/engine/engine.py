@@ -673,8 +673,26 @@ class Engine:
         self, named_tensors: Any, load_format: str | None = None, *, abort: bool = False
     ) -> int:
         """Load `named_tensors`: a list of (HF name, tensor), or with load_format="flattened_bucket" a
-        FlattenedBucket (or SGLang's {"flattened_tensor", "metadata"} dict). Returns tensors loaded."""
+        FlattenedBucket (or SGLang's {"flattened_tensor", "metadata"} dict), or with
+        load_format="direct" (name, tensor) pairs named and shaped as the engine stores its parameters
+        (fused `qkv_proj` / `gate_up_proj`, this rank's shard). Returns tensors loaded."""
+        if load_format == "direct":
+            self._before_weight_update(abort)
+            count = self.weights.load_direct(named_tensors)
+            self.pages.flush()  # cached prefixes hold KV computed by the old weights
+            return count
         return self._load(self.weights.unpack(named_tensors, load_format), abort)
+
+    @serialised
+    def update_weights_with_loader(
+        self, loader: Callable[[torch.nn.Module, list], Any], named_tensors: Any, *, abort: bool = False
+    ) -> None:
+        """Call `loader(model, named_tensors)` to write the weights itself (SGLang's custom_weight_loader:
+        the model is the engine's module, parameters by `named_parameters()`). The engine drains and
+        flushes as for any update; validating what the loader writes is the loader's task."""
+        self._before_weight_update(abort)
+        self.weights.load_custom(loader, named_tensors)
+        self.pages.flush()
 
     @serialised
     def update_weights_from_distributed(
@@ -754,6 +772,15 @@ class Engine:
         self.memory.check_weights_resident("weights_checksum")
         self.weights.check_valid("weights_checksum")
         return self.weights.checksums(names)
+
+    @serialised
+    def stored_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's parameters as the engine stores them: its own names (fused `qkv_proj`,
+        `gate_up_proj`), dtype and this rank's shards, tied ones once. Views, not copies (SGLang's
+        get_weights_checksum hashes these)."""
+        self.memory.check_weights_resident("stored_weights")
+        self.weights.check_valid("stored_weights")
+        return list(self.model.named_parameters())
 
     # -- LoRA adapters ----------------------------------------------------------------------------
     @serialised

@@ -45,6 +45,7 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         weight_versions=list(seq.weight_versions),
+        logprob_ranks=list(seq.logprob_ranks) if p.logprob_ranks else None,
     )
 
 
@@ -73,6 +74,7 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
         weight_versions=seq.weight_versions[start:end],
+        logprob_ranks=seq.logprob_ranks[start:end] if p.logprob_ranks else None,
     )
 
 

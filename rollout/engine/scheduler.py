@@ -243,6 +243,8 @@ class Scheduler:
                 seq.logprobs.append(out.logprobs[i])
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(out.top[i].items())[: seq.params.top_logprobs]))
+            if seq.params.logprob_ranks:
+                seq.logprob_ranks.append(out.ranks[i])
             if self.stops.check(seq):
                 self._finish(seq)
             touched[seq.request_id] = self.requests[seq.request_id]

@@ -38,6 +38,7 @@ class Sequence:
     num_indexed_pages: int = 0  # leading pages registered in the prefix cache
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprob_ranks: list[int] = field(default_factory=list)  # with SamplingParams.logprob_ranks
     weight_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
