@@ -370,7 +370,12 @@ def test_inputs_are_strict_and_errors_name_the_clients_field(oc):
 
 
 def test_a_template_that_refuses_the_messages_is_400(kc):
-    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"},  # a well-formed answer the template refuses
+    ]
     e = _error(kc.post("/v1/chat/completions", json={"messages": msgs}), 400, "messages")
     assert "no tool role" in e["message"]
     r = kc.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 2})
