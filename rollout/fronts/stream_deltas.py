@@ -25,6 +25,7 @@ def join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
         finish_reason=b.finish_reason or a.finish_reason,
         stop_reason=b.stop_reason if b.finish_reason else a.stop_reason,
         weight_versions=a.weight_versions + b.weight_versions,
+        logprob_ranks=None if a.logprob_ranks is None else a.logprob_ranks + (b.logprob_ranks or []),
     )
 
 
@@ -49,6 +50,7 @@ def cut(c: CompletionOutput, tokens: int, chars: int) -> CompletionOutput:
         logprobs=None if c.logprobs is None else c.logprobs[tokens:],
         top_logprobs=None if c.top_logprobs is None else c.top_logprobs[tokens:],
         weight_versions=c.weight_versions[tokens:],
+        logprob_ranks=None if c.logprob_ranks is None else c.logprob_ranks[tokens:],
     )
 
 

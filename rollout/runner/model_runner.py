@@ -62,6 +62,7 @@ class Launched:
     event: Any = None
     num_top: int = 0
     prompt: dict | None = None  # logprobs of given tokens (host values already)
+    ranks: bool = False  # the packed rows end with the sampled tokens' ranks
 
     @classmethod
     def start(cls, sampled: list[int], seq_ids: list[int], res: SampleResult, k: int, prompt) -> Launched:
@@ -69,6 +70,8 @@ class Launched:
         cols = [res.tokens.double().unsqueeze(1), res.logprobs.double().unsqueeze(1)]
         if k:
             cols += [res.top_ids.double(), res.top_logprobs.double()]
+        if res.ranks is not None:
+            cols.append(res.ranks.double().unsqueeze(1))
         packed, event = torch.cat(cols, dim=1), None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -76,7 +79,7 @@ class Launched:
             event = torch.cuda.Event()
             event.record()
             packed = host
-        return cls(sampled, seq_ids, res.tokens, packed, event, k, prompt)
+        return cls(sampled, seq_ids, res.tokens, packed, event, k, prompt, res.ranks is not None)
 
     def collect(self) -> StepOutput | None:
         """Wait for the copy; the host-side results (None: nothing sampled and no prompt logprobs)."""
@@ -84,7 +87,7 @@ class Launched:
             return None if self.prompt is None else StepOutput([], [], None, self.prompt)
         if self.event is not None:
             self.event.synchronize()
-        out = _unpack(self.packed.tolist(), self.num_top)
+        out = _unpack(self.packed.tolist(), self.num_top, self.ranks)
         out.prompt = self.prompt
         return out
 
@@ -344,8 +347,8 @@ def _take_pending_ids(
         input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
 
-def _unpack(rows: list[list[float]], k: int) -> StepOutput:
+def _unpack(rows: list[list[float]], k: int, ranks: bool = False) -> StepOutput:
     tokens = [int(r[0]) for r in rows]
     logprobs = [r[1] for r in rows]
-    top = [dict(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
-    return StepOutput(tokens, logprobs, top)
+    top = [dict(zip(map(int, r[2 : 2 + k]), r[2 + k : 2 + 2 * k])) for r in rows] if k else None
+    return StepOutput(tokens, logprobs, top, ranks=[int(r[2 + 2 * k]) for r in rows] if ranks else None)

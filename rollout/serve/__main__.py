@@ -3,6 +3,8 @@
 Engine options are EngineConfig's fields as flags (--max-total-tokens 4096, --no-cuda-graph, ...).
 The engine runs in a child process (ProcessAsyncEngine) so the HTTP work never holds up its step loop;
 --engine-mode thread keeps it in a thread of the server's process (AsyncEngine).
+--tool-call-parser NAME and --reasoning-parser NAME split chat outputs into tool_calls and
+reasoning_content (rollout/parsers; an unknown name stops the server, listing the known ones).
 --api-server-count N runs N server processes over the one engine process (rollout/serve/processes.py).
 SIGTERM or Ctrl-C: stop accepting, let the open requests finish (or abort them after
 --graceful-shutdown-s: each stream then ends with a finish_reason "abort" chunk and [DONE]), shut the
@@ -136,16 +138,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     )
     names = _engine_flags(ap)
     args = ap.parse_args(argv)
-    try:  # an unknown parser stops the server here, with the known names
-        from rollout.serve.chat import ChatParsers
+    from rollout.parsers import reasoning_parser_names, tool_parser_names
+    from rollout.serve.chat import ChatParsers
 
-        args.parsers = ChatParsers(args.tool_call_parser, args.reasoning_parser)
-    except ValueError as e:
-        ap.error(
-            str(e)
-            .replace("unknown tool-call parser", "--tool-call-parser: unknown")
-            .replace("unknown reasoning parser", "--reasoning-parser: unknown")
-        )
+    for flag, name, known in [
+        ("--tool-call-parser", args.tool_call_parser, tool_parser_names()),
+        ("--reasoning-parser", args.reasoning_parser, reasoning_parser_names()),
+    ]:  # an unknown parser stops the server here, before the engine loads, with the known names
+        if name is not None and name not in known:
+            ap.error(f"{flag}: unknown {name!r}; known: {', '.join(known)}")
+    args.parsers = ChatParsers(args.tool_call_parser, args.reasoning_parser)
     if args.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.api_server_count < 1:

@@ -22,6 +22,7 @@ from rollout.layers.linear import deferred_params
 from rollout.weights.bucket import parse_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE, BIN_INDEX_FILE = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # Parameters start on multiples of this in the weight storage (kernels specialise on 16-byte aligned
 # pointers); parameter sizes are multiples of it in practice, so the storage is gap-free and a bucket
 # in storage order is a single run of bytes.
@@ -297,6 +298,41 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors when the folder has them, else pytorch_model.bin
+    (one file, or the shards its index names), read by `read_bin`."""
+    path = Path(path)
+    if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
+        return safetensors_files(path)
+    if (path / BIN_INDEX_FILE).exists():
+        return [path / f for f in sorted(set(_weight_map(path / BIN_INDEX_FILE).values()))]
+    if (path / BIN_FILE).exists():
+        return [path / BIN_FILE]
+    raise ValueError(f"model: no *.safetensors or {BIN_FILE} weights in {str(path)!r}")
+
+
+def read_bin(f: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin state dict, unpickled with torch.load(weights_only=True): tensors and plain
+    containers only, so a checkpoint cannot run code when it loads (memory-mapped where the file's
+    format allows)."""
+    import pickle
+
+    try:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # the legacy (pre-zip) format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
+        raise ValueError(
+            f"checkpoint file {str(f)!r} is not a readable weights-only torch file: {e}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"checkpoint file {str(f)!r} does not hold a state dict of tensors")
+    return state
+
+
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map, each file name checked to be a plain relative path inside the folder."""
     try:
@@ -322,9 +358,13 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 def checkpoint_specs(files: list[Path]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor, read from the headers alone (safetensors checks there that
-    the data covers the file, so a truncated file fails here, before any write)."""
+    the data covers the file, so a truncated file fails here, before any write); a .bin file has no
+    header apart from its data, so it is unpickled (memory-mapped: the bytes are read on the copy)."""
     specs = []
     for f in files:
+        if f.suffix == ".bin":
+            specs += [(name, tuple(t.shape), t.dtype) for name, t in read_bin(f).items()]
+            continue
         with _open(f) as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)
@@ -347,6 +387,9 @@ def iter_checkpoint(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor, or of those in `only` (the others are never read)."""
     for f in files:
+        if f.suffix == ".bin":
+            yield from ((n, t.to(device)) for n, t in read_bin(f).items() if only is None or n in only)
+            continue
         with _open(f, device) as sf:
             for name in sf.keys():
                 if only is None or name in only:
@@ -367,7 +410,7 @@ def load_checkpoint(
     `keep(name)` selects the tensors to load (a partial update); every header is still validated.
     `check_finite` reads the tensors once more before the first write, to refuse NaN or inf; for a
     `fresh` model (no weights yet to keep intact) the check runs on the loaded weights instead."""
-    files = safetensors_files(path)
+    files = weight_files(path)
     targets = {t.name: t for t in resolve_all(model, checkpoint_specs(files)) if t is not None}
     if keep is not None:
         targets = {n: t for n, t in targets.items() if keep(n)}
