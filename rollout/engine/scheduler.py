@@ -243,7 +243,7 @@ class Scheduler:
                 seq.logprobs.append(out.logprobs[i])
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(out.top[i].items())[: seq.params.top_logprobs]))
-            if seq.params.logprob_ranks:
+            if seq.params.sample_ranks:
                 seq.logprob_ranks.append(out.ranks[i])
             if self.stops.check(seq):
                 self._finish(seq)
@@ -297,7 +297,9 @@ def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
     for i, piece in pieces.items():
         seq = batch.seqs[i]
         keep = piece.first - seq.logprobs_from
-        del seq.prompt_logprobs[keep:], seq.prompt_top_logprobs[keep:]
+        del seq.prompt_logprobs[keep:], seq.prompt_top_logprobs[keep:], seq.prompt_logprob_ranks[keep:]
         seq.prompt_logprobs += piece.logprobs
+        if piece.ranks is not None:
+            seq.prompt_logprob_ranks += piece.ranks
         if piece.top is not None:
             seq.prompt_top_logprobs += piece.top

@@ -54,6 +54,7 @@ class Sequence:
     score_only: bool = False  # Engine.score: finish after the prefill, sample nothing
     prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprobs_from, ...
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)  # with SamplingParams.logprob_ranks
     cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
     # token_ids[-1] is PENDING: a launched step samples it, and postprocess puts it in place
     pending: bool = False
