@@ -1,4 +1,4 @@
-"""The tool-calling chat checkpoint of the server's tool and reasoning tests (rollout/toy_chat.py's
+"""The tool-calling chat checkpoint of the server's tool and reasoning tests (rollout/models/toy_chat.py's
 tokenizer and Qwen-style template), warmed up on the CPU for a few seconds to answer "weather <f>" with
 a known think block and a call to get_weather in format <f>, a broken call, or a call of an unknown
 function; and "It is sunny." after a tool result."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from rollout import toy_chat
+from rollout.models import toy_chat
 from rollout.parsers.tool_calls import Hermes
 
 TOOLS = [

@@ -131,6 +131,24 @@ def test_chat_template_kwargs_reach_the_template(oc, model_dir):
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # the template closed it
 
 
+def test_completions_take_token_ids_and_return_them_with_each_logprob(oc, model_dir):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode("weather h", add_special_tokens=False)
+    r = oc.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_token_ids": True},
+    )
+    c = r.choices[0]
+    assert c.model_extra["prompt_token_ids"] == ids and len(c.model_extra["token_ids"]) == 6
+    assert c.logprobs.model_extra["token_ids"] == c.model_extra["token_ids"]
+    assert len(c.logprobs.token_logprobs) == 6
+
+
 def test_tool_choice_none_auto_required_and_named(oc):
     none = oc.chat.completions.create(**_ask("h", tool_choice="none")).choices[0]
     assert none.message.tool_calls is None and none.finish_reason == "stop"
@@ -184,6 +202,8 @@ def test_bad_tools_and_orphan_tool_messages_get_400_naming_the_field(oc):
         oc.chat.completions.create(**_ask("h", messages=messages))
     with pytest.raises(openai.BadRequestError, match=r"tool_choice\.function\.name"):
         oc.chat.completions.create(**_ask("h", tool_choice={"type": "function", "function": {"name": "x"}}))
+    with pytest.raises(openai.BadRequestError, match=r"chat_template_kwargs: chat_template"):
+        oc.chat.completions.create(**_ask("h"), extra_body={"chat_template_kwargs": {"chat_template": "x"}})
     with pytest.raises(openai.BadRequestError, match=r"prompt_token_ids"):
         oc.chat.completions.create(**_ask("h"), extra_body={"prompt_token_ids": [1, 2]})
     assert oc.chat.completions.create(**_ask("h")).choices[0].message.tool_calls  # still serving

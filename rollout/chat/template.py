@@ -9,6 +9,7 @@ rewrite or drop earlier reasoning), and the trainer would then score tokens the 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,12 @@ def render(
     if tok is None or not getattr(tok, "chat_template", None):
         raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
     options = dict(kwargs or {})
-    reserved = {"tokenize", "add_generation_prompt", "tools", "conversation"} & set(options)
-    if reserved:
-        raise ValueError(f"chat_template_kwargs: {', '.join(sorted(reserved))} is set by the server")
+    # template variables only: apply_chat_template's own parameters (the template itself, tokenizing,
+    # tensors) are the server's
+    reserved = set(inspect.signature(tok.apply_chat_template).parameters) - {"kwargs"}
+    taken = reserved & set(options)
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(sorted(taken))} is set by the server")
     try:
         return tok.apply_chat_template(
             messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False, **options

@@ -19,7 +19,7 @@ def normalize_prompts(
     if prompts is not None:
         texts = [prompts] if isinstance(prompts, str) else prompts
         if not isinstance(texts, Seq) or not all(isinstance(p, str) for p in texts):
-            raise TypeError("prompts must be a str or a list of str")
+            raise TypeError(f"prompts must be a str or a list of str{_ids_hint(texts)}")
         if tokenizer is None:
             raise ValueError("prompts are text but the checkpoint has no tokenizer; pass input_ids instead")
         for i, text in enumerate(texts):
@@ -110,6 +110,19 @@ def check_lengths(
             )
         if total > pool_tokens:
             raise ValueError(f"prompt {i}: {total} tokens cannot fit the KV pool of {pool_tokens} tokens")
+
+
+def _ids_hint(prompts: Any) -> str:
+    """Token ids passed as prompts: say where they go."""
+    looks_like_ids = (
+        isinstance(prompts, Seq)
+        and prompts
+        and all(
+            _is_int(p) or (isinstance(p, Seq) and not isinstance(p, str) and all(_is_int(t) for t in p))
+            for p in prompts
+        )
+    )
+    return "; token ids go in input_ids= (generate(input_ids=[[5, 6, 7]]))" if looks_like_ids else ""
 
 
 def _is_int(x: Any) -> bool:

@@ -119,7 +119,8 @@ class AsyncFront(abc.ABC):
         stream: bool,
     ) -> AsyncIterator[RequestOutput]:
         if prompt is not None and not isinstance(prompt, str):
-            raise TypeError("prompts must be one str (one prompt per call)")
+            hint = "; token ids go in input_ids=" if isinstance(prompt, (list, tuple)) else ""
+            raise TypeError(f"prompts must be one str (one prompt per call){hint}")
         rid = uuid.uuid4().hex if request_id is None else request_id
         self._reserve()
         added = finished = False

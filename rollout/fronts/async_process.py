@@ -42,7 +42,7 @@ from rollout.fronts.stream_deltas import StreamedText, merge
 from rollout.outputs import RequestOutput, TokenDelta
 from rollout.process import ipc
 from rollout.process import worker as W
-from rollout.process.child import reap, serve_child, stop_child
+from rollout.process.child import reap, serve_child
 from rollout.process.engine_process import encode_args
 from rollout.process.wire import CLOSE, GET, Call, Reply, Update, unwrap
 from rollout.sampling import SamplingParams
@@ -112,7 +112,7 @@ class ProcessAsyncEngine(AsyncFront):
         )
         self._proc.start()
         child.close()
-        self._finalizer = weakref.finalize(self, stop_child, self._conn, self._proc)
+        self._finalizer = weakref.finalize(self, _stop_worker, self._conn, self._proc)
         self.tokenizer = load_tokenizer(str(model))  # while the child loads the model
         self._facts = self._wait_started(start_timeout)
         self._start_threads()
@@ -396,6 +396,17 @@ class ProcessAsyncEngine(AsyncFront):
             self._closed = True
         self._finalizer.detach()
         self._conn.close()
+
+
+def _stop_worker(conn: Any, proc: Any) -> None:
+    """The finalizer of a ProcessAsyncEngine never closed (the script exited without close()): ask
+    the worker to close, as close() does (the worker reads lists of commands), then reap it."""
+    try:
+        conn.send([Call(0, CLOSE, (), {})])
+    except (OSError, ValueError):
+        pass
+    reap(proc, CLOSE_TIMEOUT_S)
+    conn.close()
 
 
 def _detach(conn: Any) -> None:

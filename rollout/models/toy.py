@@ -1,7 +1,8 @@
 """Tiny random checkpoints made on the spot (no download): for tests, examples and the default job.
 
 The tokenizer is character-level over digits, letters and a few symbols, so synthetic tasks
-(arithmetic, copying) read naturally and every character is one token.
+(arithmetic, copying) read naturally and every character is one token. It has a chat template (plain
+"role: content" lines), so /v1/chat/completions and LLM.chat work on the built-in model.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from typing import Any
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHARS = list(string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/=?:.,!()[]\n")
+# one "role: content" line per message (every character of it is in CHARS), then "assistant:"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 ARCH_CONFIGS = {
     "llama": "LlamaConfig",
@@ -37,6 +43,7 @@ def build_tokenizer(folder: str | Path) -> Any:
         eos_token="<eos>",
         clean_up_tokenization_spaces=False,
     )
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
     return tok
 
@@ -68,7 +75,7 @@ def tiny_config(arch: str = "qwen3", *, vocab_size: int | None = None, **overrid
         base["sliding_window"] = None
     base.update(overrides)
     cfg = getattr(transformers, ARCH_CONFIGS[arch])(**base)
-    cfg.torch_dtype = "float32"
+    cfg.dtype = "float32"
     return cfg
 
 
@@ -88,7 +95,7 @@ def build_checkpoint(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
     _spread_weights(model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), safe_serialization=True, **kwargs)
@@ -116,7 +123,7 @@ def default_model_dir() -> Path:
     import os
 
     root = Path(os.environ.get("ROLLOUT_CACHE", Path.home() / ".cache" / "rollout"))
-    folder = root / "tiny-qwen3-v1"
+    folder = root / "tiny-qwen3-v2"  # v2: the tokenizer has a chat template
     if not (folder / "config.json").exists():
         build_checkpoint(
             folder,

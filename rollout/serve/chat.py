@@ -64,7 +64,9 @@ def message(plan: OutputPlan, c: CompletionOutput) -> tuple[dict[str, Any], str 
     model did not turn into a call comes back in the content, with the rest."""
     s = OutputSplitter(plan)
     parsed = gather(s.feed(c.text) + s.finish())
-    msg: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    # content is null beside calls or reasoning (as OpenAI and vLLM send it), else the text, "" included
+    content = parsed.content if parsed.tool_calls or parsed.reasoning is not None else parsed.content or ""
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
     if plan.reasoning_parser is not None:
         msg["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:

@@ -45,6 +45,7 @@ class WeightManager:
         self._groups: dict[str, broadcast.UpdateGroup] = {}
         self.plans = PlanCache(model)
         self._order: list[str] | None = None  # storage_order(): the storage never moves
+        self._said_reloaded = False  # the "all weights loaded" line was logged once
 
     # -- validity ---------------------------------------------------------------------------------
     def discard(self) -> None:
@@ -70,7 +71,11 @@ class WeightManager:
         else:
             self._missing.difference_update(names)
         if not self._missing:
-            log.info("all weights loaded since they were discarded: the engine can generate again")
+            # once per engine: a colocated trainer discards and reloads every step, and a line per step
+            # says nothing new (and breaks its progress bar)
+            level = logging.DEBUG if self._said_reloaded else logging.INFO
+            log.log(level, "all weights loaded since they were discarded: the engine can generate again")
+            self._said_reloaded = True
 
     # -- what arrives -----------------------------------------------------------------------------
     def unpack(self, named_tensors: Any, load_format: str | None) -> Prepared:

@@ -5,9 +5,9 @@ stream (fed chunk by chunk, the unsure tail kept back), so both give the same pi
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from rollout.parsers.types import Content, Parsed, Piece, ToolCall, gather
+from rollout.parsers.types import Content, Parsed, Piece, ToolCall, gather, held_prefix
 
 
 class ToolCallFormat(abc.ABC):
@@ -39,12 +39,10 @@ class ToolCallFormat(abc.ABC):
 
 
 def tagged_scan(
-    text: str, final: bool, start: str, end: str | None, body: callable
+    text: str, final: bool, start: str, end: str | None, body: Callable[[str], list[ToolCall] | None]
 ) -> tuple[list[Piece], int]:
     """Content around `start`...`end` blocks; a block whose body parses is a call, else content. With no
     end tag (or an unclosed last block), the block runs to the end of the output."""
-    from rollout.parsers.types import held_prefix
-
     pieces: list[Piece] = []
     i = 0
     while i < len(text):
