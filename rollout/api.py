@@ -27,12 +27,14 @@ ENGINE_METHODS = (
     "resume_memory_occupation",
     # weights
     "update_weights_from_tensor",
+    "update_weights_with_loader",
     "init_weights_update_group",
     "update_weights_from_distributed",
     "destroy_weights_update_group",
     "update_weights_from_disk",
     "get_weights_by_name",
     "weights_checksum",
+    "stored_weights",
     "flush_cache",
     # LoRA adapters
     "load_lora_adapter",
