@@ -27,7 +27,6 @@ ENGINE_METHODS = (
     "resume_memory_occupation",
     # weights
     "update_weights_from_tensor",
-    "update_weights_with_loader",
     "init_weights_update_group",
     "update_weights_from_distributed",
     "destroy_weights_update_group",
@@ -35,6 +34,7 @@ ENGINE_METHODS = (
     "get_weights_by_name",
     "weights_checksum",
     "stored_weights",
+    "update_weights_with_loader",
     "flush_cache",
     # LoRA adapters
     "load_lora_adapter",

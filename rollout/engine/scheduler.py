@@ -143,8 +143,8 @@ class Scheduler:
         if len(pages) * self.pages.page_size >= seq.num_tokens:
             self.pages.release(pages[-1:])
             pages = pages[:-1]
-        if seq.logprobs_from is not None:  # the logits from position logprobs_from - 1 on are wanted
-            keep = (seq.logprobs_from - 1) // self.pages.page_size
+        if seq.scoring is not None:  # the logits from position scoring.start - 1 on are wanted
+            keep = (seq.scoring.start - 1) // self.pages.page_size
             self.pages.release(pages[keep:])
             pages = pages[:keep]
         seq.pages, seq.num_indexed_pages = pages, len(pages)
@@ -211,7 +211,7 @@ class Scheduler:
             if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
                 self.waiting.extendleft(reversed(seq.followers))
                 seq.followers = []
-            if not seq.score_only:
+            if seq.scoring is None or not seq.scoring.only:
                 seq.token_ids.append(PENDING)
                 seq.pending = True
         return rows
@@ -232,7 +232,7 @@ class Scheduler:
         for i, seq in enumerate(rows):
             if seq is None or seq.status is Status.FINISHED:
                 continue
-            if seq.score_only:  # Engine.score: its logprobs are all in, nothing to sample
+            if seq.scoring is not None and seq.scoring.only:  # Engine.score: all in, nothing to sample
                 self._finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]
                 continue
@@ -296,10 +296,11 @@ def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
     from its start: its pieces overwrite what it had from there on (the same values)."""
     for i, piece in pieces.items():
         seq = batch.seqs[i]
-        keep = piece.first - seq.logprobs_from
-        del seq.prompt_logprobs[keep:], seq.prompt_top_logprobs[keep:], seq.prompt_logprob_ranks[keep:]
-        seq.prompt_logprobs += piece.logprobs
+        scoring = seq.scoring
+        keep = piece.first - scoring.start
+        del scoring.logprobs[keep:], scoring.top[keep:], scoring.ranks[keep:]
+        scoring.logprobs += piece.logprobs
         if piece.ranks is not None:
-            seq.prompt_logprob_ranks += piece.ranks
+            scoring.ranks += piece.ranks
         if piece.top is not None:
-            seq.prompt_top_logprobs += piece.top
+            scoring.top += piece.top
