@@ -31,6 +31,7 @@ def _prompt_logprobs(req: Request) -> dict:
     return {
         "prompt_logprobs": list(lead.scoring.logprobs),
         "prompt_top_logprobs": list(lead.scoring.top) if want else None,
+        "prompt_logprob_ranks": list(lead.scoring.ranks) if req.params.logprob_ranks else None,
     }
 
 
@@ -45,7 +46,7 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop.reason,
         weight_versions=list(seq.weight_versions),
-        logprob_ranks=list(seq.logprob_ranks) if p.logprob_ranks else None,
+        logprob_ranks=list(seq.logprob_ranks) if p.sample_ranks else None,
     )
 
 
@@ -74,7 +75,7 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop.reason,
         weight_versions=seq.weight_versions[start:end],
-        logprob_ranks=seq.logprob_ranks[start:end] if p.logprob_ranks else None,
+        logprob_ranks=seq.logprob_ranks[start:end] if p.sample_ranks else None,
     )
 
 

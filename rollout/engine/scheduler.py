@@ -243,7 +243,7 @@ class Scheduler:
                 seq.logprobs.append(out.logprobs[i])
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(out.top[i].items())[: seq.params.top_logprobs]))
-            if seq.params.logprob_ranks:
+            if seq.params.sample_ranks:
                 seq.logprob_ranks.append(out.ranks[i])
             if self.stops.check(seq):
                 self._finish(seq)
@@ -298,7 +298,9 @@ def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
         seq = batch.seqs[i]
         scoring = seq.scoring
         keep = piece.first - scoring.start
-        del scoring.logprobs[keep:], scoring.top[keep:]
+        del scoring.logprobs[keep:], scoring.top[keep:], scoring.ranks[keep:]
         scoring.logprobs += piece.logprobs
+        if piece.ranks is not None:
+            scoring.ranks += piece.ranks
         if piece.top is not None:
             scoring.top += piece.top

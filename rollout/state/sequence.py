@@ -49,6 +49,7 @@ class Scoring:
     only: bool = False  # Engine.score: finish after the prefill, sample nothing
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)  # each token's top_logprobs
+    ranks: list[int] = field(default_factory=list)  # with SamplingParams.logprob_ranks
 
 
 @dataclass(eq=False)
