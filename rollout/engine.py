@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from rollout.attention.registry import backend_class, resolve_backend_name
 from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
+from rollout.cache.state import StatePool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
 from rollout.lora import LoraManager
@@ -155,10 +156,21 @@ class Engine:
             else None
         )
         eos_ids = frozenset(mc.eos_token_ids or _tokenizer_eos(self.tokenizer))
+        # a model with per-request state (linear attention) declares it; it lives beside the KV pages
+        self._state_shapes = self.model.state_shapes() if hasattr(self.model, "state_shapes") else None
         with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
+            self.state = (
+                StatePool(self._state_shapes, cfg.max_running_requests, self.device)
+                if self._state_shapes
+                else None
+            )
         done("kv_cache")
-        self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        # a recurrent state cannot be cut at a cached page: no prefix sharing across requests for such
+        # models (docs/architecture.md, "Per-request state")
+        self.pages = PageManager(
+            self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache and self.state is None
+        )
         self.scheduler = Scheduler(
             self.pages,
             StopChecker(eos_ids, self.tokenizer),
@@ -179,13 +191,14 @@ class Engine:
             max_running=cfg.max_running_requests,
             lora=self.lora,
             eos_ids=eos_ids,
+            state=self.state,
         )
         done("runner")  # scheduler, attention backend, model runner
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
             self.runner.capture_graphs(max_bs, mc.hidden_size, self.dtype, saver.cuda_graph)
         done("cuda_graphs")
-        self.memory = MemoryManager(saver, self.device, self.model, self.kv)
+        self.memory = MemoryManager(saver, self.device, self.model, self.kv, self.state)
         self.weights = WeightManager(self.model, mc, self.device, tp)
         self._rng = random.Random(cfg.seed)
         self._seq_ids = itertools.count()
@@ -225,7 +238,8 @@ class Engine:
     def _make_kv_pool(self) -> KVPool:
         cfg, mc = self.config, self.model_config
         kv_heads = self.tp.shard(mc.num_kv_heads, "num_key_value_heads")
-        page_bytes = KVPool.bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
+        kv_layers = getattr(self.model, "num_kv_layers", mc.num_layers)  # hybrids: the attention layers
+        page_bytes = KVPool.bytes_per_page(kv_layers, cfg.page_size, kv_heads, mc.head_dim, self.dtype)
         if cfg.max_total_tokens is not None:
             num_pages = -(-cfg.max_total_tokens // cfg.page_size)
         elif self.device.type == "cuda":
@@ -234,6 +248,8 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())  # tied: once
             weights += self.lora.nbytes if self.lora is not None else 0
+            if self._state_shapes:  # the state slots come out of the same budget as the pages
+                weights += StatePool.bytes_per_slot(self._state_shapes) * (cfg.max_running_requests + 1)
             budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
             num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
@@ -245,7 +261,7 @@ class Engine:
         else:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
         num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
-        return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        return KVPool(kv_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
 
     # -- facts ------------------------------------------------------------------------------------
     @property

@@ -76,6 +76,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any, generation: dict[str, Any], source: str = "config.json") -> ModelConfig:
         arch = hf.architectures[0]
+        top, hf = hf, hf.get_text_config()  # the text model's config (itself for a text-only model)
         num_heads, num_kv_heads = hf.num_attention_heads, hf.num_key_value_heads
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -110,8 +111,10 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(hf, arch),
-            eos_token_ids=_eos_ids(hf.eos_token_id, generation),
-            torch_dtype=_dtype_name(hf),
+            eos_token_ids=_eos_ids(
+                hf.eos_token_id if hf.eos_token_id is not None else top.eos_token_id, generation
+            ),
+            torch_dtype=_dtype_name(hf) or _dtype_name(top),
             hf_config=hf,
         )
 
@@ -132,7 +135,8 @@ def check_fields(cfg: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source}: no 'architectures' entry; cannot tell which model to build")
     if archs[0] not in MODELS:
         raise ValueError(f"{source}: unsupported architecture {archs[0]!r}; supported: {sorted(MODELS)}")
-    missing = [k for k in REQUIRED if cfg.get(k) is None]
+    text = cfg.get("text_config") or cfg  # a vision-language checkpoint keeps its text model's shape there
+    missing = [k for k in REQUIRED if cfg.get(k) is None and text.get(k) is None]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing} for {archs[0]}")
 

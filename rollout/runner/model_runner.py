@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.cache.state import SlotTable, StateBatch, StatePool
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.logit_adjust import LogitAdjust
@@ -47,6 +48,7 @@ class _DecodeState:
     sampling: SamplingBatch
     token_slots: np.ndarray | None
     graph_bs: int | None  # the CUDA graph that ran it (None: eager)
+    state_slots: np.ndarray | None = None
 
 
 @dataclass
@@ -101,7 +103,11 @@ class ModelRunner:
         max_running: int = 256,
         lora: LoraManager | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        state: StatePool | None = None,
     ):
+        # per-request state of the model (None: it keeps none); a sequence's slot comes from state_slots
+        self.state = state
+        self.state_slots = SlotTable(state.num_slots) if state is not None else None
         self.lora = lora  # adapter slots (None: LoRA off)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.eos_ids = eos_ids  # what min_tokens masks
@@ -116,6 +122,12 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget the kept decode batch (the engine calls it around weight, memory and adapter changes,
         so nothing kept outlives them; a kept batch also checks itself every step)."""
+        self._decode = None
+
+    def reset_state(self) -> None:
+        """Forget every state slot (the pool was released: nothing in flight holds one)."""
+        if self.state_slots is not None:
+            self.state_slots.reset()
         self._decode = None
 
     def capture_graphs(
@@ -133,6 +145,7 @@ class ModelRunner:
             device=self.device,
             capture_context=capture,
             lora=self.lora.state if self.lora is not None else None,
+            state=self.state,
         )
         self.graphs.capture()
 
@@ -159,7 +172,10 @@ class ModelRunner:
         owner = np.repeat(np.arange(B), batch.chunks) if not batch.decode else np.arange(B)
         slots = table[owner, positions // S].astype(np.int64) * S + positions % S
         lora = self._token_slots(seqs, owner)
-        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
+        host = HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
+        if self.state_slots is not None:
+            host.state_slots, host.fresh = self.state_slots.slots(seqs), starts == 0
+        return host
 
     def _token_slots(self, seqs: list, owner: np.ndarray) -> np.ndarray | None:
         """Each token's LoRA slot (from its sequence's lora_name); None when no token uses an adapter."""
@@ -222,7 +238,9 @@ class ModelRunner:
             sd, dr = seeds(seqs), draws(seqs)
             sampling = self._sampling(seqs, hashed_uniforms(sd, dr))
             graph_bs = self._graph_bs(host)
-            self._decode = _DecodeState(seq_ids, rows, starts, sd, dr, sampling, host.token_slots, graph_bs)
+            self._decode = _DecodeState(
+                seq_ids, rows, starts, sd, dr, sampling, host.token_slots, graph_bs, host.state_slots
+            )
             return host, sampling, seq_ids
         S = self.page_size
         entered = np.flatnonzero(starts % S == 0)  # these sequences' new token starts a new page
@@ -234,8 +252,10 @@ class ModelRunner:
         ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
         host = HostBatch(
             True, ids, starts, slots, seq_lens, [1] * len(seqs), table, np.arange(len(seqs)),
-            state.token_slots,
+            state.token_slots, state.state_slots,
         )  # fmt: skip
+        if state.state_slots is not None:
+            host.fresh = np.zeros(len(seqs), dtype=bool)
         graph_bs = self._graph_bs(host)
         host.same_seqs = graph_bs == state.graph_bs  # and the same path: a graph's buffers hold them
         host.same_pages = host.same_seqs and not len(entered)
@@ -262,11 +282,17 @@ class ModelRunner:
             host.seq_lens.astype(np.int32),
             cu,
         ]
+        if host.state_slots is not None:
+            arrays += [host.state_slots, host.fresh.astype(bool)]
         if host.token_slots is not None:
             arrays.append(host.token_slots)
-        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *lora = to_device(
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *rest = to_device(
             arrays, self.device, self.staging
         )
+        state = None
+        if host.state_slots is not None:
+            state_slots, fresh, *rest = rest
+            state = StateBatch(self.state, state_slots, fresh, host.q_lens, cu_seqlens, host.decode)
         attn = AttnBatch(
             decode=host.decode,
             q_lens=host.q_lens,
@@ -281,7 +307,8 @@ class ModelRunner:
         )
         # decode samples every row: a slice avoids a gather
         logit_rows = slice(0, B) if host.decode else rows
-        return StepInputs(ids, positions, attn, logit_rows, sampling, lora_slots=lora[0] if lora else None)
+        lora = rest[0] if rest else None
+        return StepInputs(ids, positions, attn, logit_rows, sampling, lora_slots=lora, state=state)
 
     # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -293,7 +320,7 @@ class ModelRunner:
         self.eager_steps += 1
         if self.lora is not None:
             self.lora.state.begin(inputs.lora_slots)
-        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn))
+        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn), inputs.state)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()

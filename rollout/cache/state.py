@@ -1,0 +1,114 @@
+"""Per-request state beside the paged KV cache, for models that carry one (linear attention).
+
+A recurrent layer keeps a fixed-size state per request instead of a KV entry per token. A model that has
+such layers declares it (`state_shapes`: name -> (per-layer, per-request shape, dtype)); the engine then
+makes a StatePool of `max_running_requests` slots (+ one scratch slot that CUDA-graph padding rows
+write to), sized together with the KV pages and released/resumed with them (the `kv_cache` tag).
+
+A request's slot is handed out the first time it is computed and reclaimed once it finished or lost its
+pages (preempted: it recomputes from its first token, and a chunk that starts at token 0 starts from a
+zero state, so nothing of the slot's old content is read). The n samples of one prompt copy the
+state of the sample that prefilled it (`fork`), see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rollout.sequence import Sequence, Status
+
+StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> ((layers, *per request), dtype)
+
+
+class StatePool:
+    def __init__(self, shapes: StateShapes, num_slots: int, device: torch.device):
+        self.shapes, self.num_slots, self.device = dict(shapes), num_slots, device
+        self.scratch_slot = num_slots
+        self.tensors: dict[str, torch.Tensor] | None = None
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_slot(shapes: StateShapes) -> int:
+        return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in shapes.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_slot(self.shapes) * (self.num_slots + 1)
+
+    def allocate(self) -> None:
+        # [layer, slot, ...]: one layer's states of every slot are one contiguous tensor
+        self.tensors = {
+            name: torch.zeros((shape[0], self.num_slots + 1, *shape[1:]), dtype=dtype, device=self.device)
+            for name, (shape, dtype) in self.shapes.items()
+        }
+
+    def free(self) -> None:
+        self.tensors = None
+
+    def zero(self) -> None:
+        for t in self.tensors.values():
+            t.zero_()
+
+    def layer(self, name: str, layer: int) -> torch.Tensor:
+        """[slots + 1, *per request] of one layer."""
+        return self.tensors[name][layer]
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Slots dst[i] := slots src[i] (int64 device tensors), every layer and tensor."""
+        for t in self.tensors.values():
+            t[:, dst] = t[:, src]
+
+
+@dataclass
+class StateBatch:
+    """A step's view of the state pool: request b of the batch uses slot slots[b]; fresh[b] means its
+    chunk starts at token 0 (a zero state, whatever the slot holds)."""
+
+    pool: StatePool
+    slots: torch.Tensor  # int64 [B]
+    fresh: torch.Tensor  # bool [B]
+    q_lens: list[int]
+    cu_seqlens: torch.Tensor  # int32 [B + 1]
+    decode: bool
+
+
+class SlotTable:
+    """seq_id -> slot, for the requests being computed (at most max_running at a time)."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._slots: dict[int, tuple[int, Sequence]] = {}
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def slots(self, seqs: list[Sequence]) -> np.ndarray:
+        out = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            entry = self._slots.get(seq.seq_id)
+            if entry is None:
+                entry = self._assign(seq)
+            out[i] = entry[0]
+        return out
+
+    def has(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._slots
+
+    def _assign(self, seq: Sequence) -> tuple[int, Sequence]:
+        if not self._free:
+            self._reclaim()
+        if not self._free:
+            raise RuntimeError(f"no free state slot: more than {self.num_slots} requests computed at once")
+        entry = (self._free.pop(), seq)
+        self._slots[seq.seq_id] = entry
+        return entry
+
+    def _reclaim(self) -> None:
+        for seq_id, (slot, seq) in list(self._slots.items()):
+            if seq.status is Status.FINISHED or not seq.pages:
+                del self._slots[seq_id]
+                self._free.append(slot)
+
+    def reset(self) -> None:
+        self.__init__(self.num_slots)
