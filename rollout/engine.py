@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from rollout.attention.registry import backend_class, resolve_backend_name
 from rollout.cache.pages import PageManager
 from rollout.cache.pool import KVPool
-from rollout.cache.state import StatePool
+from rollout.cache.state import Snapshots, StatePool
 from rollout.config import EngineConfig
 from rollout.distributed import agreement, make_tp_group
 from rollout.lora import LoraManager
@@ -161,15 +161,15 @@ class Engine:
         with saver.region("kv_cache"):
             self.kv = self._make_kv_pool()
             self.state = (
-                StatePool(self._state_shapes, cfg.max_running_requests, self.device)
-                if self._state_shapes
-                else None
+                StatePool(self._state_shapes, self._state_slots, self.device) if self._state_shapes else None
             )
         done("kv_cache")
-        # a recurrent state cannot be cut at a cached page: no prefix sharing across requests for such
-        # models (docs/architecture.md, "Per-request state")
-        self.pages = PageManager(
-            self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache and self.state is None
+        self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        # a recurrent state cannot be cut at any cached page: prefixes are shared where it was kept
+        snapshots = (
+            Snapshots(self.pages, cfg.max_running_requests, self._state_slots - cfg.max_running_requests)
+            if self.state is not None
+            else None
         )
         self.scheduler = Scheduler(
             self.pages,
@@ -177,6 +177,7 @@ class Engine:
             max_running=cfg.max_running_requests,
             max_prefill_tokens=cfg.max_prefill_tokens,
             mixed=cfg.mixed_chunk,
+            snapshots=snapshots,
         )
         self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
@@ -192,6 +193,8 @@ class Engine:
             lora=self.lora,
             eos_ids=eos_ids,
             state=self.state,
+            state_slots=cfg.max_running_requests,
+            snapshots=snapshots,
         )
         done("runner")  # scheduler, attention backend, model runner
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
@@ -249,7 +252,7 @@ class Engine:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())  # tied: once
             weights += self.lora.nbytes if self.lora is not None else 0
             if self._state_shapes:  # the state slots come out of the same budget as the pages
-                weights += StatePool.bytes_per_slot(self._state_shapes) * (cfg.max_running_requests + 1)
+                weights += StatePool.bytes_per_slot(self._state_shapes) * (self._state_slots + 1)
             budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
             num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
             if num_pages * cfg.page_size < 2 * cfg.page_size:
@@ -262,6 +265,12 @@ class Engine:
             num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
         num_pages = self.tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
         return KVPool(kv_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+
+    @property
+    def _state_slots(self) -> int:
+        """State slots: one per running request, and snapshots of shared prompts (cache/state.py)."""
+        n = self.config.max_running_requests
+        return n + max(2, n // 8)
 
     # -- facts ------------------------------------------------------------------------------------
     @property

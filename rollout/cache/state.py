@@ -13,6 +13,7 @@ state of the sample that prefilled it (`fork`), see docs/architecture.md.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,3 +113,66 @@ class SlotTable:
 
     def reset(self) -> None:
         self.__init__(self.num_slots)
+
+
+def snapshot_point(seq: Sequence, page_size: int) -> int:
+    """Where the state of a prompt with followers (the other samples of a request) is kept: the last
+    page boundary before its last token. The followers share the prompt's pages up to there (the
+    prefix cache) and start from this state, so each computes under a page of the prompt, not all of
+    it. 0: the prompt is too short to share a page."""
+    return (seq.num_prompt - 1) // page_size * page_size
+
+
+class Snapshots:
+    """States of prefixes that end at a cached page, in the pool's snapshot slots (LRU).
+
+    An entry is keyed by the prefix cache's node of the prefix's last page (cache/pages.py), so it is
+    valid exactly as long as those pages are cached with that content: a flush (new weights) or an
+    eviction gives the pages new nodes, and the old entries are never found again. A snapshot is taken
+    while the page is still being filled, before it is indexed, so it is first kept under its page id
+    and looked up by node once the page is registered."""
+
+    def __init__(self, pages, first_slot: int, count: int):
+        self.pages = pages  # the engine's PageManager
+        self.free = list(range(first_slot + count - 1, first_slot - 1, -1))
+        self.by_node: OrderedDict[int, int] = OrderedDict()  # node -> slot, least recently used first
+        self.pending: list[tuple[int, int]] = []  # (page, slot): taken, the page not yet indexed
+
+    def take(self, page: int) -> int:
+        """A slot to snapshot the prefix ending with `page` into (evicting the oldest if needed)."""
+        self._settle()
+        if not self.free:
+            _, slot = self.by_node.popitem(last=False)
+            self.free.append(slot)
+        slot = self.free.pop()
+        self.pending.append((page, slot))
+        return slot
+
+    def find(self, page: int) -> int | None:
+        """The slot holding the state after the cached prefix that ends with `page`, if any."""
+        self._settle()
+        node = self.pages.page_node.get(page)
+        slot = self.by_node.get(node) if node is not None else None
+        if slot is not None:
+            self.by_node.move_to_end(node)
+        return slot
+
+    def _settle(self) -> None:
+        waiting = []
+        for page, slot in self.pending:
+            node = self.pages.page_node.get(page)
+            if node is not None:
+                old = self.by_node.pop(node, None)
+                if old is not None:
+                    self.free.append(old)
+                self.by_node[node] = slot
+            elif self.pages.refs[page] > 0:  # still held by its sequence, not indexed yet
+                waiting.append((page, slot))
+            else:  # freed without being indexed (the cache is off, or was flushed)
+                self.free.append(slot)
+        self.pending = waiting
+
+    def clear(self) -> None:
+        self.free += list(self.by_node.values()) + [slot for _, slot in self.pending]
+        self.by_node.clear()
+        self.pending = []

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
-from rollout.cache.state import SlotTable, StateBatch, StatePool
+from rollout.cache.state import SlotTable, Snapshots, StateBatch, StatePool, snapshot_point
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.logit_adjust import LogitAdjust
@@ -104,10 +104,12 @@ class ModelRunner:
         lora: LoraManager | None = None,
         eos_ids: frozenset[int] = frozenset(),
         state: StatePool | None = None,
+        state_slots: int = 0,
+        snapshots: Snapshots | None = None,
     ):
         # per-request state of the model (None: it keeps none); a sequence's slot comes from state_slots
-        self.state = state
-        self.state_slots = SlotTable(state.num_slots) if state is not None else None
+        self.state, self.snapshots = state, snapshots
+        self.state_slots = SlotTable(state_slots) if state is not None else None
         self.lora = lora  # adapter slots (None: LoRA off)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
         self.eos_ids = eos_ids  # what min_tokens masks
@@ -175,7 +177,30 @@ class ModelRunner:
         host = HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
         if self.state_slots is not None:
             host.state_slots, host.fresh = self.state_slots.slots(seqs), starts == 0
+            self._copy_in(seqs, host.state_slots)
         return host
+
+    def _copy_in(self, seqs: list[Sequence], slots: np.ndarray) -> None:
+        """Sequences that share a cached prefix start from its kept state (copied before the step)."""
+        rows = [i for i, s in enumerate(seqs) if s.state_from is not None]
+        if rows:
+            src = np.array([seqs[i].state_from for i in rows], dtype=np.int64)
+            self.state.copy(*to_device([src, slots[rows]], self.device, self.staging))
+            for i in rows:
+                seqs[i].state_from = None
+
+    def _snapshot_out(self, batch: ScheduledBatch, slots: np.ndarray | None) -> None:
+        """Keep the state of prompts with followers at their snapshot point (cache/state.py)."""
+        if self.snapshots is None or batch.decode:
+            return
+        src, dst = [], []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            point = snapshot_point(seq, self.page_size) if seq.followers else 0
+            if point and seq.num_computed + chunk == point:
+                src.append(slots[i])
+                dst.append(self.snapshots.take(seq.pages[point // self.page_size - 1]))
+        if src:
+            self.state.copy(*to_device([np.array(src), np.array(dst)], self.device, self.staging))
 
     def _token_slots(self, seqs: list, owner: np.ndarray) -> np.ndarray | None:
         """Each token's LoRA slot (from its sequence's lora_name); None when no token uses an adapter."""
@@ -334,6 +359,7 @@ class ModelRunner:
         in flight, whose sampled tokens are this decode step's pending input ids."""
         inputs, host, seq_ids = self._prepare(batch, prev)
         hidden = self.forward_hidden(inputs)
+        self._snapshot_out(batch, host.state_slots)
         # logprobs of given tokens at the chunk's positions (rollout/scoring.py), before sampling
         prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
         sampled = host.sampled.tolist()
