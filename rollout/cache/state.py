@@ -129,23 +129,23 @@ class Snapshots:
     An entry is keyed by the prefix cache's node of the prefix's last page (cache/pages.py), so it is
     valid exactly as long as those pages are cached with that content: a flush (new weights) or an
     eviction gives the pages new nodes, and the old entries are never found again. A snapshot is taken
-    while the page is still being filled, before it is indexed, so it is first kept under its page id
-    and looked up by node once the page is registered."""
+    while its last page is being filled, before it is indexed: it waits (pending) for the prefix to be
+    in the cache, under the sequence's pages or under an equal chain cached before them."""
 
     def __init__(self, pages, first_slot: int, count: int):
         self.pages = pages  # the engine's PageManager
         self.free = list(range(first_slot + count - 1, first_slot - 1, -1))
         self.by_node: OrderedDict[int, int] = OrderedDict()  # node -> slot, least recently used first
-        self.pending: list[tuple[int, int]] = []  # (page, slot): taken, the page not yet indexed
+        self.pending: list[tuple[Sequence, int, int, int]] = []  # (seq, prefix length, its last page, slot)
 
-    def take(self, page: int) -> int:
-        """A slot to snapshot the prefix ending with `page` into (evicting the oldest if needed)."""
+    def take(self, seq: Sequence, upto: int) -> int:
+        """A slot to keep the state after `seq`'s first `upto` tokens in (evicting the oldest if needed)."""
         self._settle()
         if not self.free:
             _, slot = self.by_node.popitem(last=False)
             self.free.append(slot)
         slot = self.free.pop()
-        self.pending.append((page, slot))
+        self.pending.append((seq, upto, seq.pages[upto // self.pages.page_size - 1], slot))
         return slot
 
     def find(self, page: int) -> int | None:
@@ -159,20 +159,20 @@ class Snapshots:
 
     def _settle(self) -> None:
         waiting = []
-        for page, slot in self.pending:
-            node = self.pages.page_node.get(page)
+        for seq, upto, page, slot in self.pending:
+            node = self.pages.node_of(seq.token_ids[:upto], seq.cache_salt)
             if node is not None:
                 old = self.by_node.pop(node, None)
                 if old is not None:
                     self.free.append(old)
                 self.by_node[node] = slot
             elif self.pages.refs[page] > 0:  # still held by its sequence, not indexed yet
-                waiting.append((page, slot))
+                waiting.append((seq, upto, page, slot))
             else:  # freed without being indexed (the cache is off, or was flushed)
                 self.free.append(slot)
         self.pending = waiting
 
     def clear(self) -> None:
-        self.free += list(self.by_node.values()) + [slot for _, slot in self.pending]
+        self.free += list(self.by_node.values()) + [p[-1] for p in self.pending]
         self.by_node.clear()
         self.pending = []

@@ -198,7 +198,7 @@ class ModelRunner:
             point = snapshot_point(seq, self.page_size) if seq.followers else 0
             if point and seq.num_computed + chunk == point:
                 src.append(slots[i])
-                dst.append(self.snapshots.take(seq.pages[point // self.page_size - 1]))
+                dst.append(self.snapshots.take(seq, point))
         if src:
             self.state.copy(*to_device([np.array(src), np.array(dst)], self.device, self.staging))
 
