@@ -111,9 +111,7 @@ class ModelConfig:
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(hf, arch),
-            eos_token_ids=_eos_ids(
-                hf.eos_token_id if hf.eos_token_id is not None else top.eos_token_id, generation
-            ),
+            eos_token_ids=_eos_ids(_first(hf, top, "eos_token_id"), generation),
             torch_dtype=_dtype_name(hf) or _dtype_name(top),
             hf_config=hf,
         )
@@ -175,6 +173,13 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
     if types is not None and "sliding_attention" not in types:
         return None
     return getattr(hf, "sliding_window", None)
+
+
+def _first(text: Any, top: Any, name: str) -> Any:
+    """A field of the text config, else of the checkpoint's top config (vision-language checkpoints keep
+    some at the top), else None."""
+    value = getattr(text, name, None)
+    return value if value is not None else getattr(top, name, None)
 
 
 def _dtype_name(hf: Any) -> str | None:
