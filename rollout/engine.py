@@ -268,9 +268,10 @@ class Engine:
 
     @property
     def _state_slots(self) -> int:
-        """State slots: one per running request, and snapshots of shared prompts (cache/state.py)."""
+        """State slots: one per running request, and snapshots of shared prompts (cache/state.py): one per
+        prompt whose samples wait for its prefill, a quarter of the running requests (n >= 4 per prompt)."""
         n = self.config.max_running_requests
-        return n + max(2, n // 8)
+        return n + max(4, n // 4)
 
     # -- facts ------------------------------------------------------------------------------------
     @property

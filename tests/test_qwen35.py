@@ -89,8 +89,8 @@ def test_kv_pool_holds_only_the_attention_layers(hybrid_dirs):
     eng = engine(hybrid_dirs["qwen3_5"], max_running_requests=4)
     assert eng.kv.num_layers == 1  # of 4 layers, one is full attention
     shapes = {name: tuple(t.shape) for name, t in eng.state.tensors.items()}
-    # 3 linear layers; 4 running slots + 2 snapshot slots + scratch; conv over q|k|v = 2*2*16 + 4*16
-    assert shapes == {"conv": (3, 7, 128, 3), "recurrent": (3, 7, 4, 16, 16)}
+    # 3 linear layers; 4 running slots + 4 snapshot slots + scratch; conv over q|k|v = 2*2*16 + 4*16
+    assert shapes == {"conv": (3, 9, 128, 3), "recurrent": (3, 9, 4, 16, 16)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

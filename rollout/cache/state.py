@@ -138,12 +138,15 @@ class Snapshots:
         self.by_node: OrderedDict[int, int] = OrderedDict()  # node -> slot, least recently used first
         self.pending: list[tuple[Sequence, int, int, int]] = []  # (seq, prefix length, its last page, slot)
 
-    def take(self, seq: Sequence, upto: int) -> int:
-        """A slot to keep the state after `seq`'s first `upto` tokens in (evicting the oldest if needed)."""
+    def take(self, seq: Sequence, upto: int) -> int | None:
+        """A slot to keep the state after `seq`'s first `upto` tokens in (evicting the oldest kept one if
+        needed); None when every slot waits for its prefix to be cached (the followers then recompute)."""
         self._settle()
-        if not self.free:
+        if not self.free and self.by_node:
             _, slot = self.by_node.popitem(last=False)
             self.free.append(slot)
+        if not self.free:
+            return None
         slot = self.free.pop()
         self.pending.append((seq, upto, seq.pages[upto // self.pages.page_size - 1], slot))
         return slot

@@ -196,9 +196,10 @@ class ModelRunner:
         src, dst = [], []
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
             point = snapshot_point(seq, self.page_size) if seq.followers else 0
-            if point and seq.num_computed + chunk == point:
+            slot = self.snapshots.take(seq, point) if point and seq.num_computed + chunk == point else None
+            if slot is not None:
                 src.append(slots[i])
-                dst.append(self.snapshots.take(seq, point))
+                dst.append(slot)
         if src:
             self.state.copy(*to_device([np.array(src), np.array(dst)], self.device, self.staging))
 
