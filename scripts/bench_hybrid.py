@@ -106,7 +106,8 @@ def main() -> int:
     prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(args.prompts)]
     hf = hf_throughput(folder, prompts[: args.hf_prompts], args.n, args.new, args.device)
     print(
-        f"transformers generate: {hf['output_tokens']} tokens in {hf['seconds']:.1f}s = {hf['tok_s']:.0f} tok/s"
+        f"transformers generate: {hf['output_tokens']} tokens in {hf['seconds']:.1f}s "
+        f"= {hf['tok_s']:.0f} tok/s"
     )
     ours = engine_throughput(folder, prompts, args.n, args.new, args)
     print(

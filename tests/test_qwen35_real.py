@@ -77,10 +77,10 @@ def small(tmp_path_factory):
         hf = cf.load_hf(folder, torch.float32, "cpu")
         out["ref_prefill"] = cf.hf_logits(hf, prompts[0], ROWS)
         ref = {}
-        for key, prompt, o in [("greedy", prompts[0], out["greedy"].outputs[0]),
-                               *[("n8", prompts[1], o) for o in out["n8"].outputs],
-                               ("paused", prompts[1], out["paused"]),
-                               *[("preempted", p, r.outputs[0]) for p, r in zip(prompts, out["preempted"])]]:  # fmt: skip
+        cases = [("greedy", prompts[0], out["greedy"].outputs[0]), ("paused", prompts[1], out["paused"])]
+        cases += [("n8", prompts[1], o) for o in out["n8"].outputs]
+        cases += [("preempted", p, r.outputs[0]) for p, r in zip(prompts, out["preempted"])]
+        for key, prompt, o in cases:
             gap = np.abs(np.array(o.logprobs) - gen_logprobs(hf, prompt, o.token_ids)).max()
             ref[key] = max(ref.get(key, 0.0), float(gap))
         out["gaps"] = ref
