@@ -230,3 +230,22 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
         logp = torch.log_softmax(model.lm_head(hidden).float(), -1)
     ref = logp[len(prompt) - 1 : -1].gather(1, tokens[0, len(prompt) :, None])[:, 0]
     assert np.abs(np.array(out.logprobs) - ref.numpy()).max() <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graphs_match_transformers(backend, hybrid_dirs, hf_hybrid):
+    """Decode in CUDA graphs (the Triton state kernel and the conv update captured) against transformers,
+    float32, with n=4 sharing the prefill; fla's chunk kernel in prefill when installed."""
+    prompt = prompt_of(300, seed=19)
+    eng = Engine(
+        str(hybrid_dirs["qwen3_5"]), device="cuda", dtype="float32", attention_backend=backend,
+        max_running_requests=8, max_prefill_tokens=100,
+    )  # fmt: skip
+    assert eng.runner.graphs is not None
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW, ignore_eos=True, logprobs=True, n=4, seed=1)
+    outs = eng.generate(input_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs
+    assert eng.runner.graph_steps > 0
+    for out in outs:
+        assert hf_gap(hf_hybrid["qwen3_5"], prompt, out) <= 1e-3  # TF32 matmuls on the GPU
