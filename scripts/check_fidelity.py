@@ -246,6 +246,7 @@ def engine_prompt_logits(engine, prompt: list[int], rows=None) -> torch.Tensor:
         return engine.runner.forward_logits(inputs)
     finally:
         engine.pages.release(seq.pages)
+        seq.pages = []  # a made-up sequence: nothing of it stays (a state slot, for hybrid models)
 
 
 def engine_runs(engine, prompts: list[list[int]], new_tokens: int) -> list[Run]:

@@ -106,8 +106,10 @@ class SlotTable:
         return entry
 
     def _reclaim(self) -> None:
+        # a sequence that is not running (finished, preempted, or made up outside the scheduler) holds
+        # nothing worth keeping: it starts from token 0, or from a snapshot, when computed again
         for seq_id, (slot, seq) in list(self._slots.items()):
-            if seq.status is Status.FINISHED or not seq.pages:
+            if seq.status is not Status.RUNNING or not seq.pages:
                 del self._slots[seq_id]
                 self._free.append(slot)
 
