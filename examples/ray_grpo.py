@@ -38,8 +38,8 @@ from integrations.rl import (
 )
 from integrations.tasks import Task, char_tokenizer
 from rollout import SamplingParams
+from rollout.models.toy import default_model_dir
 from rollout.outputs import RequestOutput
-from rollout.toy import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

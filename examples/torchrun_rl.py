@@ -33,7 +33,7 @@ from integrations.rl import (
 )
 from integrations.torchrun import DataParallelRollout, build_engine, init_distributed
 from rollout import SamplingParams
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

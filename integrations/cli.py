@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,12 +12,31 @@ from typing import Any
 from integrations.metrics import summary
 from integrations.rl import AUTOCAST
 from integrations.tasks import TASKS
+from rollout.usage import die, mistake
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each flag's default in --help."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return value
 
 
 def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
     """An argument parser with the flags every loop takes; `defaults` is the example's Config()."""
     d = defaults
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=_Formatter)
     ap.add_argument(
         "--model",
         default=None,
@@ -24,15 +44,17 @@ def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
         "as the random real-shaped ones of scripts/models.py, gets the built-in character tokenizer",
     )
     ap.add_argument("--task", default=d.task, choices=sorted(TASKS))
-    ap.add_argument("--steps", type=int, default=d.steps)
-    ap.add_argument("--batch", type=int, default=d.batch, help="prompts per step")
-    ap.add_argument("--n", type=int, default=d.n, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--temperature", type=float, default=d.temperature)
+    ap.add_argument("--steps", type=positive_int, default=d.steps)
+    ap.add_argument("--batch", type=positive_int, default=d.batch, help="prompts per step")
+    ap.add_argument("--n", type=positive_int, default=d.n, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=d.max_new_tokens)
+    ap.add_argument("--lr", type=positive_float, default=d.lr)
+    ap.add_argument("--temperature", type=positive_float, default=d.temperature)
     ap.add_argument("--clip-eps", type=float, default=d.clip_eps)
-    ap.add_argument("--epochs", type=int, default=d.epochs, help="passes over each step's rollouts")
-    ap.add_argument("--minibatches", type=int, default=d.minibatches, help="optimizer steps per pass")
+    ap.add_argument("--epochs", type=positive_int, default=d.epochs, help="passes over each step's rollouts")
+    ap.add_argument(
+        "--minibatches", type=positive_int, default=d.minibatches, help="optimizer steps per pass"
+    )
     ap.add_argument(
         "--micro-batch-tokens",
         type=int,
@@ -70,6 +92,9 @@ def loop_parser(defaults: Any, doc: str | None) -> argparse.ArgumentParser:
 
 def run_example(train: Callable[[Any], list[dict[str, float]]], cfg: Any) -> list[dict[str, float]]:
     """Train with `cfg`, then print the reward summary and the wall time."""
+    wrong = mistake(getattr(cfg, "model", None), getattr(cfg, "device", None))
+    if wrong:
+        die(sys.argv[0], wrong)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("rollout.memory").setLevel(logging.WARNING)  # each step's line has its timings
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ from integrations.metrics import (
 from integrations.rl import AUTOCAST, RolloutBatch, refresh_engine, rollout_batch, use_memory_saver
 from integrations.tasks import TASKS, Problem, Task, char_tokenizer
 from rollout import Engine, SamplingParams
-from rollout.toy import default_model_dir
+from rollout.models.toy import default_model_dir
 
 PROMPT_PROBE = 64  # problems whose prompts are encoded before the first step
 ADAMW_BYTES_PER_PARAM = 12  # float32 gradient and AdamW's two moments, beside the float32 weights

@@ -98,7 +98,8 @@ def summary(history: list[dict[str, float]], key: str = "reward/mean") -> str:
     k = max(1, len(history) // 5)
     first = sum(h[key] for h in history[:k]) / k
     last = sum(h[key] for h in history[-k:]) / k
-    return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f}"
+    steps = "step" if k == 1 else f"{k} steps"
+    return f"{key}: first {steps} {first:.3f} -> last {steps} {last:.3f}"
 
 
 # the per-step breakdown of a run, as a row of docs/benchmarks.md: (metric, column, format)

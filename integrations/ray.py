@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from integrations.weight_sync import DEFAULT_BUCKET_BYTES, BroadcastSender, SyncStats, sync_weights
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
 from rollout.weights.broadcast import DEFAULT_TIMEOUT_S, free_port

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from integrations.weight_sync import SyncStats, sync_weights, unwrap_model
+from integrations.params import unwrap_model
+from integrations.weight_sync import SyncStats, sync_weights
 from rollout.outputs import RequestOutput
 
 

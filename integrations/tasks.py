@@ -69,7 +69,7 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
 def char_tokenizer() -> Any:
     """The built-in character tokenizer (rollout.toy): for checkpoints that ship no tokenizer, such as
     random ones with real shapes. Ids it does not know decode to nothing."""
-    from rollout.toy import build_tokenizer
+    from rollout.models.toy import build_tokenizer
 
     with tempfile.TemporaryDirectory() as folder:
         return build_tokenizer(folder)

@@ -15,12 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from integrations.weight_sync import (
-    BroadcastSender,
-    _engine_dtype,
-    _gathered,
-    hf_named_parameters,
-)
+from integrations.params import engine_dtype, gathered, hf_named_parameters
 from rollout.weights.checksum import checksum_device, to_host
 
 
@@ -37,7 +32,7 @@ def trainer_checksums(model: nn.Module, dtype: torch.dtype | None = None) -> dic
     """Per HF name, the checksum of the trainer's parameter as the sync sends it (cast to `dtype`)."""
     sums = {}
     for name, p in hf_named_parameters(model):
-        full = _gathered(p)  # a collective for a DTensor: every rank runs this loop in the same order
+        full = gathered(p)  # a collective for a DTensor: every rank runs this loop in the same order
         # a 0-dim device tensor: the full weight can go, and the host reads all sums in one copy
         sums[name] = checksum_device(full if dtype is None else full.to(dtype))
         del full
@@ -46,7 +41,7 @@ def trainer_checksums(model: nn.Module, dtype: torch.dtype | None = None) -> dic
 
 def engine_checksums(engine: Any, names: list[str]) -> dict[str, int]:
     """The engine's checksums of `names`, computed where the engine runs."""
-    if isinstance(engine, BroadcastSender):
+    if hasattr(engine, "on_checksum"):  # a BroadcastSender: its engines answer through the callable
         if engine.on_checksum is None:
             raise ValueError(
                 "verify: this BroadcastSender has no on_checksum (a callable names -> "
@@ -64,7 +59,7 @@ def verify_sync(model: nn.Module, engine: Any, *, dtype: torch.dtype | str | Non
     """Raise WeightMismatchError unless every parameter of `model` equals the engine's, bit for bit,
     after the cast the sync made (`dtype` as in sync_weights). Returns the tensors compared."""
     if dtype == "auto":
-        dtype = _engine_dtype(engine)
+        dtype = engine_dtype(engine)
     elif dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
     mine = trainer_checksums(model, dtype)

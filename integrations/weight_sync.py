@@ -33,12 +33,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout import ipc
+from integrations.params import (  # noqa: F401  (hf_name, hf_named_parameters, unwrap_model: public here too)
+    device_of,
+    engine_dtype,
+    gathered,
+    hf_name,
+    hf_named_parameters,
+    is_dtensor,
+    unwrap_model,
+)
+from integrations.verify import verify_sync
+from rollout.process import ipc
 from rollout.weights import broadcast as bc
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, empty_buffer, layout, total_bytes, view, write
 
 DEFAULT_BUCKET_BYTES = 512 << 20
-WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 GROUP_NAME = "rollout-weights"
 
 
@@ -49,52 +58,6 @@ class SyncStats:
     buckets: int
     bytes: int
     seconds: float
-
-
-# -- walking the trainer's model -------------------------------------------------------------------
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside DDP / DataParallel / torch.compile wrappers (FSDP2 wraps in place)."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    while True:
-        if isinstance(model, (DistributedDataParallel, DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            break
-    if type(model).__name__ == "FullyShardedDataParallel":
-        raise TypeError(
-            "FSDP1 models are not supported: wrap with FSDP2 (torch.distributed.fsdp.fully_shard) or pass "
-            "a model holding the full parameters"
-        )
-    return model
-
-
-def hf_name(name: str) -> str:
-    for token in WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
-
-
-def hf_named_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, parameter) pairs; FSDP2 parameters stay sharded DTensors."""
-    return [(hf_name(n), p) for n, p in unwrap_model(model).named_parameters()]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def _device(p: torch.Tensor) -> torch.device:
-    return p.to_local().device if _is_dtensor(p) else p.device
-
-
-def _gathered(p: torch.Tensor) -> torch.Tensor:
-    """The full tensor: gathered across ranks for a DTensor (a collective), else the local tensor."""
-    return p.full_tensor() if _is_dtensor(p) else p.detach()
 
 
 @dataclass
@@ -109,7 +72,7 @@ class _Bucket:
     def tensors(self) -> Iterator[torch.Tensor]:
         """Full tensors, gathered one at a time as the caller consumes them."""
         for p in self.params:
-            yield _gathered(p)
+            yield gathered(p)
 
 
 def plan_buckets(
@@ -162,7 +125,7 @@ class _PackBuffer:
 
 def _fill(buffer: _PackBuffer, bucket: _Bucket) -> FlattenedBucket:
     aligned = all(m.offset % m.dtype.itemsize == 0 for m in bucket.metas)  # views, not copies
-    if not aligned or any(_is_dtensor(p) for p in bucket.params):
+    if not aligned or any(is_dtensor(p) for p in bucket.params):
         for meta, t in zip(bucket.metas, bucket.tensors()):
             write(buffer.tensor, meta, t)  # casts to the bucket's dtype; the gathered tensor is then freed
     else:  # one multi-tensor copy, casting on the way
@@ -195,11 +158,11 @@ class _Direct:
             keep,
         )
         self.buffers: list[_PackBuffer | None] = list(_KEPT.get(engine, [None])) if keep else [None]
-        self.dtype = _engine_dtype(engine)
+        self.dtype = engine_dtype(engine)
 
     def send(self, bucket: _Bucket) -> None:
         if self.flatten:
-            self.buffers[0] = _ensure(self.buffers[0], self.capacity, _device(bucket.params[0]))
+            self.buffers[0] = _ensure(self.buffers[0], self.capacity, device_of(bucket.params[0]))
             self.engine.update_weights_from_tensor(
                 _fill(self.buffers[0], bucket), load_format="flattened_bucket", abort=self.abort
             )
@@ -236,7 +199,7 @@ class _ToProcess:
         slot = self.sent % 2
         if len(self.pending) == 2:
             self.pending.popleft().result()  # the engine is done with this slot's buffer
-        device = _device(bucket.params[0])
+        device = device_of(bucket.params[0])
         self.buffers[slot] = _ensure(self.buffers[slot], self.capacity, device, shared=True)
         packed = _fill(self.buffers[slot], bucket)
         self.pending.append(
@@ -427,7 +390,7 @@ def _settle_quietly(pending: Any) -> None:
 
 # -- the entry point -------------------------------------------------------------------------------
 def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int, keep: bool) -> Any:
-    from rollout.process import EngineProcess
+    from rollout.process.engine_process import EngineProcess
 
     if engine is None:
         return None
@@ -465,16 +428,6 @@ def in_order(
     return sorted(named, key=lambda item: rank.get(item[0], len(rank)))
 
 
-def _engine_dtype(engine: Any) -> torch.dtype | None:
-    dtype = getattr(engine, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    info = getattr(engine, "info", None)
-    if isinstance(info, dict) and "dtype" in info:
-        return getattr(torch, info["dtype"].removeprefix("torch."))
-    return None
-
-
 @torch.no_grad()
 def sync_weights(
     model: nn.Module,
@@ -505,7 +458,7 @@ def sync_weights(
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     if dtype == "auto":
-        dtype = _engine_dtype(engine)
+        dtype = engine_dtype(engine)
     elif dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
     t0 = time.perf_counter()
@@ -517,7 +470,7 @@ def sync_weights(
     target = _target_for(engine, flatten, abort, capacity, keep_buffers)
     if target is None:
         for b in buckets:  # take part in the gathers, send nothing
-            if any(_is_dtensor(p) for p in b.params):
+            if any(is_dtensor(p) for p in b.params):
                 for _ in b.tensors():
                     pass
         if verify:
@@ -539,14 +492,12 @@ def sync_weights(
 
 
 def _verify(model: nn.Module, engine: Any, dtype: torch.dtype | None) -> None:
-    from integrations.verify import verify_sync  # verify imports this module
-
     verify_sync(model, engine, dtype=dtype)
 
 
 def _sync_device(named: list[tuple[str, torch.Tensor]]) -> None:
     """Timing honesty for in-process copies: wait for the queued GPU work."""
     if named and torch.cuda.is_available():
-        device = _device(named[0][1])
+        device = device_of(named[0][1])
         if device.type == "cuda":
             torch.cuda.synchronize(device)

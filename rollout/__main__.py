@@ -11,20 +11,26 @@ import logging
 import time
 
 from rollout import Engine, SamplingParams
-from rollout.toy import default_model_dir
+from rollout.models.toy import default_model_dir
+from rollout.usage import die, mistake
 
 PROMPTS = ["12+7=", "3*4=", "copy: abc ", "hello ", "99-9=", "2+2=", "the sky ", "count: 1 2 3 "]
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("model", nargs="?", help="HF checkpoint folder (default: a built-in tiny random model)")
     ap.add_argument("--generate", action="store_true", help="plain generation (the default)")
-    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (default: 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="(default: 32)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="(default: 1.0)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     args = ap.parse_args(argv)
+    wrong = mistake(args.model, args.device)
+    if wrong:
+        die(ap.prog, wrong)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine = Engine(str(args.model or default_model_dir()), device=args.device)
     params = SamplingParams(

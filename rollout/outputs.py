@@ -23,6 +23,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # the weight version that sampled each token: a partial rollout resumed over an update mixes versions
     weight_versions: list[int] = field(default_factory=list)
+    # with SamplingParams.logprob_ranks: each sampled token's rank (1 = the most likely), else None
+    logprob_ranks: list[int] | None = None
 
 
 @dataclass

@@ -54,6 +54,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)  # token id -> added to its logit
     include_stop_str_in_output: bool = False
     logprobs_mode: str = "raw"  # "raw" | "processed", see above
+    # only these tokens may be sampled (vLLM's allowed_token_ids); None: all
+    allowed_token_ids: list[int] | None = field(default=None, hash=False)
+    # token sequences never completed (vLLM's bad_words, tokenized): the last token of one is masked
+    # whenever the output so far ends with the rest of it
+    bad_words_ids: list[list[int]] | None = field(default=None, hash=False)
+    # with logprobs: CompletionOutput.logprob_ranks holds each sampled token's rank in the reported
+    # distribution (tokens at least as likely, itself included; 1 = the most likely)
+    logprob_ranks: bool = False
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +120,23 @@ class SamplingParams:
                 _check_int("logit_bias", t, low=0)
                 _check_number("logit_bias", b)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("logprob_ranks", self.logprob_ranks)
+        if self.logprob_ranks and not self.logprobs:
+            raise ValueError("SamplingParams.logprob_ranks needs logprobs=True")
+        if self.allowed_token_ids is not None:
+            _check_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids must not be empty (None: every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0)
+        if self.bad_words_ids is not None:
+            _check_list("bad_words_ids", self.bad_words_ids)
+            for word in self.bad_words_ids:
+                _check_list("bad_words_ids", word)
+                if not word:
+                    raise ValueError("SamplingParams.bad_words_ids entries must hold at least one token")
+                for t in word:
+                    _check_int("bad_words_ids", t, low=0)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
@@ -145,7 +170,13 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this request's logits before temperature (a per-batch flag)."""
-        return self.needs_penalties or self.min_tokens > 0 or bool(self.logit_bias)
+        return (
+            self.needs_penalties
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_ids)
+        )
 
 
 def _check_int(name: str, value: object, low: int | None = None) -> None:

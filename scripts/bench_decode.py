@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import SHAPES, bench_model  # noqa: E402
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.scheduler import ScheduledBatch  # noqa: E402
-from rollout.sequence import Sequence, Status  # noqa: E402
+from rollout.state.scheduled import ScheduledBatch  # noqa: E402
+from rollout.state.sequence import Sequence, Status  # noqa: E402
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:

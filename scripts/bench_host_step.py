@@ -1,6 +1,6 @@
 """Host time of a decode step, as the engine runs it (schedule, prepare, forward, sample, postprocess).
 
-A tiny random checkpoint (rollout/toy.py) makes the forward cheap, so what is left is host overhead:
+A tiny random checkpoint (rollout/models/toy.py) makes the forward cheap, so what is left is host overhead:
 the per-step Python, numpy and tensor-call cost that issue #15 is about. For each batch size, B
 requests decode `--steps` tokens through `Engine.step`; the decode steps are timed.
 
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.config import EngineConfig  # noqa: E402
+from rollout.models.toy import build_checkpoint  # noqa: E402
 from rollout.runner import model_runner  # noqa: E402
-from rollout.toy import build_checkpoint  # noqa: E402
 
 OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)}
 

@@ -45,7 +45,7 @@ from timeline import Timeline  # noqa: E402
 
 from rollout import AsyncEngine, Engine, ProcessAsyncEngine, SamplingParams  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
-from rollout.process import freeze_heap  # noqa: E402
+from rollout.process.child import freeze_heap  # noqa: E402
 
 
 def workload(vocab: int, seed: int, num: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[int]]:

@@ -36,7 +36,7 @@ from models import SHAPES, bench_model, shape_of  # noqa: E402
 
 from integrations import BroadcastSender, sync_weights  # noqa: E402
 from rollout import Engine  # noqa: E402
-from rollout.process import EngineProcess  # noqa: E402
+from rollout.process.engine_process import EngineProcess  # noqa: E402
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Path, torch.nn.Module]:

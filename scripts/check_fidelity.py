@@ -234,8 +234,8 @@ def engine_prompt_logits(engine, prompt: list[int], rows=None) -> torch.Tensor:
     """float32 logits at `rows` (default: all) of one prefill of `prompt`. The public API returns the
     logprobs of sampled tokens only, so this steps the runner directly, as tests/test_models.py does."""
     from rollout.sampling import SamplingParams
-    from rollout.scheduler import ScheduledBatch
-    from rollout.sequence import Sequence
+    from rollout.state.scheduled import ScheduledBatch
+    from rollout.state.sequence import Sequence
 
     seq = Sequence(0, 0, 0, list(prompt), len(prompt), SamplingParams(), 0)
     seq.pages = engine.pages.allocate(-(-len(prompt) // engine.kv.page_size))

@@ -92,7 +92,7 @@ def model_folder(name: str) -> Path:
     """A benchmark's --model: `tiny` as the built-in model, a shape of SHAPES as its random checkpoint,
     anything else as a checkpoint folder."""
     if name == "tiny":
-        from rollout.toy import default_model_dir
+        from rollout.models.toy import default_model_dir
 
         return default_model_dir()
     return bench_model(name) if name in SHAPES else Path(name)

@@ -23,7 +23,7 @@ import torch
 
 from integrations import BroadcastSender, sync_weights
 from rollout import Engine, SamplingParams
-from rollout.process import EngineProcess
+from rollout.process.engine_process import EngineProcess
 
 NEW_TOKENS = 16
 # transformers and the engine run different kernels: in half precision a near-tie may pick another
@@ -44,7 +44,7 @@ def main() -> int:
 
 
 def _tiny_model(folder: Path) -> Path:
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     return build_checkpoint(folder / "tiny", "qwen3", seed=0, tie_word_embeddings=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 
 # family -> extra config: each variant exercises one loading path
 VARIANTS = {

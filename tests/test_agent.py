@@ -1,16 +1,15 @@
-"""examples/agent_rl.py's pieces: multi-turn token-in/token-out rollouts through AsyncEngine, the loss mask
-without the tool's tokens, and turn 2 reusing turn 1's cached prefix."""
+"""examples/agent_rl.py end to end on the CPU: multi-turn episodes with real tool calls through a
+`python -m rollout.serve` process and the openai client, continued token-exactly; the trainer's ids are
+the sampled ids, its logprobs equal the engine's (before and after each weight push), and GRPO raises
+the probability of the rewarded call."""
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-
-from rollout import AsyncEngine
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agent_rl.py"
 
@@ -24,29 +23,17 @@ def agent():
     return module
 
 
-def test_rollouts_mask_tool_tokens_and_reuse_the_prefix(agent, qwen3_dir):
-    from integrations.tasks import Task
-
-    async def run():
-        async with AsyncEngine(qwen3_dir, device="cpu", page_size=agent.PAGE_SIZE) as engine:
-            return await agent.collect(engine, Task("repeat", seed=0).sample(3), 2), engine.tokenizer
-
-    (rollouts, turns), tok = asyncio.run(run())
-    assert len(rollouts) == 6 and len(turns) == 2
-    for r in rollouts:
-        prompt = tok.encode(agent.INSTRUCTION)
-        assert r.tokens[: len(prompt)] == prompt
-        first = r.sampled.index(True)
-        call = r.tokens[first : first + 1]
-        reply = agent.tool(call, tok)
-        assert r.tokens[first + 1 : first + 1 + len(reply)] == reply  # tool tokens appended as ids
-        assert r.sampled == [False] * first + [True] + [False] * len(reply) + [True] * (
-            len(r.tokens) - first - 1 - len(reply)
-        )
-        assert all((lp < 0) == s for lp, s in zip(r.logprobs, r.sampled))  # logprobs exactly where sampled
-        assert 0.0 <= r.reward <= 1.0
-    (given1, _), (given2, computed2) = turns
-    new = sum(len(r.tokens) - r.sampled.count(True) + 1 for r in rollouts) - given1  # call + tool tokens
-    assert computed2 <= new < given2  # turn 2 computes only its new tokens: turn 1's context is cached
-    batch = agent.to_batch(rollouts, 2, pad_id=0)
-    assert batch.loss_mask.sum().item() == sum(sum(r.sampled) for r in rollouts)
+@pytest.mark.slow
+def test_agentic_episodes_over_http_train_on_the_sampled_tokens(agent):
+    report = agent.main(["--steps", "3", "--groups", "2", "--n", "8", "--lr", "1e-3"])
+    episodes = [e for step in report["episodes"] for e in step]
+    assert len(episodes) == 48
+    called = [e for e in episodes if e.results]
+    assert len(called) > len(episodes) // 2 and all(e.turns >= 2 for e in called)  # tool turns happened
+    for e in episodes:
+        assert len(e.tokens) == len(e.sampled) == len(e.logprobs)
+        assert all((lp < 0) == s or (s and lp == 0.0) for lp, s in zip(e.logprobs, e.sampled))
+        assert e.reward == (1.0 if "sunny" in e.results else 0.0)
+    # the trainer's logprobs of the sampled ids are the engine's, also after each weight push
+    assert max(report["gaps"]) < 5e-3, report["gaps"]
+    assert report["paris"][-1] > report["paris"][0] + 0.1, report["paris"]  # it learns

@@ -371,7 +371,7 @@ def test_a_busy_caller_loop_gets_fewer_larger_updates(process_engine):
     """While the callers' event loop is busy, the child's steps gather into fewer updates (each sent
     once the last was taken, or after ACK_AFTER_S): fewer than the steps, and every token still comes.
     A property read from inside the loop meanwhile is answered (answers never wait for the ACK)."""
-    from rollout import async_process
+    from rollout.fronts import async_process
 
     applied = []
     apply = process_engine._apply

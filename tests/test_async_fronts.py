@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 from rollout import AsyncEngine, ProcessAsyncEngine
+from rollout.fronts.stream_deltas import StreamedText, cut, merge
 from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
-from rollout.stream_deltas import StreamedText, cut, merge
 
 
 def _public(cls: type) -> dict[str, object]:
@@ -68,7 +68,7 @@ def _text(tokenizer, holdback: int) -> StreamedText:
 def test_deltas_that_queued_up_decode_as_one_equal_to_step_by_step():
     from transformers import AutoTokenizer
 
-    from rollout.toy import default_model_dir
+    from rollout.models.toy import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     # the text a stop string leaves: here what its tokens decode to (the text already shown is a

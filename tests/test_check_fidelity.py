@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_fidelity as cf  # noqa: E402
 
-from rollout.toy import build_checkpoint  # noqa: E402
+from rollout.models.toy import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -58,8 +58,12 @@ def test_server_args_translate_and_unknown_names_raise(qwen3_dir):
     cfg = e.engine.config
     assert (cfg.max_model_len, cfg.enable_prefix_cache, cfg.cuda_graph) == (256, False, False)
     assert (cfg.max_running_requests, cfg.mem_fraction, cfg.attention_backend) == (7, 0.5, "torch")
-    with pytest.raises(TypeError, match="speculative_algorithm"):
+    # a ServerArgs name the engine cannot honour is refused by name as unsupported; a name SGLang does
+    # not define is unknown
+    with pytest.raises(ValueError, match="speculative_algorithm='EAGLE' unsupported"):
         Engine(qwen3_dir, speculative_algorithm="EAGLE", **ARGS)
+    with pytest.raises(TypeError, match="unknown server args.*no_such_arg"):
+        Engine(qwen3_dir, no_such_arg=1, **ARGS)
 
 
 def test_generate_shapes_and_greedy_equal_transformers(front, qwen3_dir):

@@ -218,7 +218,7 @@ assert after <= before, (before, after)
 
 
 def test_long_tensor_lists_cross_at_a_low_fd_limit(tmp_path):
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     path = build_checkpoint(tmp_path / "deep", num_hidden_layers=16, tokenizer=False)  # ~180 tensors
     proc = subprocess.run(

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from rollout import Engine, SamplingParams
-from rollout import engine_worker as W
-from rollout.wire import CLOSE, Call
+from rollout.process import worker as W
+from rollout.process.wire import CLOSE, Call
 
 REQUESTS, TOKENS = 24, 80
 # 20 top logprobs per token make each step's deltas large (about 7 kB): the updates overflow the pipe's
@@ -80,7 +80,7 @@ def test_an_update_crosses_the_pipe_whole():
     from multiprocessing.reduction import ForkingPickler
 
     from rollout.outputs import TokenDelta
-    from rollout.wire import Reply, Update
+    from rollout.process.wire import Reply, Update
 
     deltas = [
         TokenDelta("a", 0, [5, 6], [-0.5, -1.5], None, [0, 1], None, None, None),
@@ -97,7 +97,7 @@ def test_the_sender_never_waits_for_a_parent_that_stops_reading():
     nothing), and for large ones, the thread writes: `send` returns at once either way, and the parent
     later reads every update whole and in order."""
     from rollout.outputs import TokenDelta
-    from rollout.wire import Update
+    from rollout.process.wire import Update
 
     def update(rid: str, n: int) -> Update:
         return Update(tokens=[TokenDelta(rid, 0, list(range(n)), None, None, [0] * n, None, None, None)])

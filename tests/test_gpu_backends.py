@@ -25,11 +25,11 @@ if not torch.cuda.is_available():
 
 from rollout import Engine, SamplingParams
 from rollout.attention.base import ForwardContext
+from rollout.models.toy import build_checkpoint
 from rollout.runner.graphs import GraphRunner, batch_ladder, padded_size
 from rollout.runner.page_table import HostPageTable
-from rollout.scheduler import ScheduledBatch
-from rollout.sequence import Sequence, Status
-from rollout.toy import build_checkpoint
+from rollout.state.scheduled import ScheduledBatch
+from rollout.state.sequence import Sequence, Status
 
 HAS_TRITON_KERNELS = importlib.util.find_spec("triton") is not None and (
     importlib.util.find_spec("rollout.attention.triton_kernels") is not None
@@ -119,7 +119,7 @@ def test_host_batch_matches_a_direct_construction(qwen3_dir):
 
 # -- host-side batching helpers -------------------------------------------------------------------------
 def test_batched_uniforms_equal_a_scalar_splitmix():
-    from rollout.sequence import uniforms
+    from rollout.state.sequence import uniforms
 
     rng = np.random.default_rng(0)
     seeds = [0, -1, 2**64 - 1, -(10**30), 10**30, *rng.integers(0, 2**63, 50).tolist()]
@@ -138,7 +138,7 @@ def splitmix_uniform(seed: int, draw: int) -> float:
 
 
 def test_packed_upload_keeps_dtypes_shapes_and_alignment():
-    from rollout.transfer import to_device
+    from rollout.device.staging import to_device
 
     arrays = [
         np.arange(5, dtype=np.int64),

@@ -20,7 +20,8 @@ from helpers import PROMPTS
 from safetensors.torch import load_file, save_file
 from weights_helpers import CPU, assert_same_snapshot, load_hf, outputs, perturbed, snapshot, state_list
 
-from rollout import Engine, SamplingParams, requests
+from rollout import Engine, SamplingParams
+from rollout.engine import inputs as requests
 from rollout.runner.sampler import SamplingBatch, sample
 from rollout.weights import loader
 from rollout.weights.broadcast import free_port
@@ -92,7 +93,7 @@ GPU_BACKENDS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, graphs", GPU_BACKENDS)
 def test_stale_nan_in_the_kv_pool_never_reaches_outputs_gpu(tmp_path, backend, graphs):
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     path = build_checkpoint(
         tmp_path / "q", "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -302,7 +303,7 @@ def test_corrupt_safetensors_file_is_named(engine, qwen3_dir, tmp_path, intact, 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("sharded") / "q", "qwen3", seed=4, max_shard_size="60KB")
 

@@ -268,7 +268,7 @@ def test_lora_cuda_graphs_equal_eager_bf16(tmp_path, rank):
     name is seen by the captured graphs."""
     from transformers import AutoModelForCausalLM
 
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     path = str(build_checkpoint(tmp_path / "m", "qwen2", hidden_size=256, intermediate_size=512, seed=3))
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -269,7 +269,7 @@ def gpu(tmp_path_factory):
     """One engine filling most of the GPU (the weights and KV of several tests would not fit twice)."""
     from types import SimpleNamespace
 
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     path = str(
         build_checkpoint(

@@ -7,10 +7,10 @@ import torch
 from helpers import PROMPTS, hf_greedy, hf_logprobs
 
 from rollout import Engine, SamplingParams
+from rollout.models.toy import build_checkpoint
 from rollout.runner.model_runner import ModelRunner
-from rollout.scheduler import ScheduledBatch
-from rollout.sequence import Sequence
-from rollout.toy import build_checkpoint
+from rollout.state.scheduled import ScheduledBatch
+from rollout.state.sequence import Sequence
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rollout import AsyncEngine, Engine, SamplingParams
-from rollout.toy import build_tokenizer, tiny_config
+from rollout.models.toy import build_tokenizer, tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import check_fidelity as cf  # noqa: E402
@@ -205,7 +205,7 @@ def test_prompt_logprobs_and_scoring(hybrid_dirs, hf_hybrid):
 def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     import transformers
 
-    from rollout.toy import HYBRID, build_tokenizer
+    from rollout.models.toy import HYBRID, build_tokenizer
 
     text = dict(
         vocab_size=83, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,

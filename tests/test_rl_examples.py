@@ -9,7 +9,7 @@ import pytest
 from test_rl_parts import load_example
 
 from integrations.metrics import summary
-from rollout.toy import default_model_dir
+from rollout.models.toy import default_model_dir
 
 # float32 on a CPU: the engine's sampled-token logprobs and the transformers policy's differ by rounding only
 GAP_TOLERANCE = 1e-4
@@ -89,7 +89,7 @@ def test_ppo_example_learns(builtin_model, tmp_path, monkeypatch):
 
 def test_examples_run_on_a_checkpoint_without_tokenizer(tmp_path):
     """Random checkpoints with real shapes ship no tokenizer: the examples use the character one."""
-    from rollout.toy import build_checkpoint
+    from rollout.models.toy import build_checkpoint
 
     folder = str(build_checkpoint(tmp_path / "bare", "llama", tokenizer=False, tie_word_embeddings=True))
     for name in ("grpo", "ppo"):

@@ -33,7 +33,7 @@ from integrations.rl import (
     trainer_autocast,
 )
 from integrations.tasks import Task
-from rollout.toy import build_checkpoint, tiny_config
+from rollout.models.toy import build_checkpoint, tiny_config
 
 QWEN_VOCAB = 151936
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

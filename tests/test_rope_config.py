@@ -23,7 +23,7 @@ import check_fidelity as cf  # noqa: E402
 from rollout import Engine, SamplingParams  # noqa: E402
 from rollout.layers.rotary import Rotary, standalone_config  # noqa: E402
 from rollout.models.config import REQUIRED, ModelConfig  # noqa: E402
-from rollout.toy import build_checkpoint  # noqa: E402
+from rollout.models.toy import build_checkpoint  # noqa: E402
 
 
 def write_config(folder: Path, cfg: dict) -> Path:

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from rollout import Engine, SamplingParams
 from rollout.runner.sampler import SamplingBatch, sample
-from rollout.sequence import Sequence, uniforms
+from rollout.state.sequence import Sequence, uniforms
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 ROWS = 20000

@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from rollout import Engine, SamplingParams
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.sampler import SamplingBatch, sample
-from rollout.sequence import Sequence, uniforms
+from rollout.state.sequence import Sequence, uniforms
 
 EOS = 2  # the toy tokenizer's <eos>
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])

@@ -191,11 +191,10 @@ def test_sglang_generate_and_control_endpoints(client, ref):
         r = client.post(path, json=payload) if payload is not None else client.post(path)
         assert r.status_code == 200 and r.json()["success"], (path, r.text)
     assert client.post("/abort_request", json={"rid": "nope"}).json()["success"] is False
-    import base64
-    import pickle
+    from rollout.serve.tensor_wire import encode_safetensors
 
     w = ref.get_weights_by_name("model.norm.weight")
-    blob = base64.b64encode(pickle.dumps([("model.norm.weight", w)])).decode()
+    blob = encode_safetensors([("model.norm.weight", w)])  # the safe default format
     r = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [blob]})
     assert r.json()["success"] and client.get("/get_weight_version").json()["weight_version"] != version
     assert client.get("/get_model_info").json()["is_generation"] is True
@@ -319,7 +318,7 @@ def test_two_api_server_processes_serve_one_engine_and_exit_zero(chat_dir, ref):
     port = _free_port()
     cmd = [sys.executable, "-m", "rollout.serve", "--model", chat_dir, "--port", str(port), "--device", "cpu"]
     cmd += ["--api-server-count", "2", "--max-total-tokens", "8192", "--page-size", "4", "--api-key", KEY]
-    cmd += ["--stream-interval", "3"]
+    cmd += ["--stream-interval", "3", "--served-model-name", "tiny"]
     proc = subprocess.Popen(cmd + ["--graceful-shutdown-s", "5"])
     url = f"http://127.0.0.1:{port}"
     try:

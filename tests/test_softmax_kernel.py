@@ -208,7 +208,7 @@ def test_sample_bf16_logits_as_their_float32_cast(triton_path):
 def test_sample_adjusted_and_processed_on_the_triton_path(triton_path):
     """min_tokens (EOS, token 5, masked with -inf), a bias and processed logprobs: the torch path's."""
     from rollout.runner.logit_adjust import LogitAdjust
-    from rollout.sequence import Sequence
+    from rollout.state.sequence import Sequence
 
     V = 2100
     params = [

@@ -8,7 +8,7 @@ import torch
 from rollout.cache.pages import PageManager
 from rollout.cache.state import SlotTable, Snapshots, StatePool, snapshot_point
 from rollout.sampling import SamplingParams
-from rollout.sequence import Sequence, Status
+from rollout.state.sequence import Sequence, Status
 
 S = 4  # page size
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from integrations.torchrun import Layout, TorchrunEnv
 from rollout import Engine, SamplingParams
 from rollout.distributed import CollectiveError
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 from rollout.weights.loader import WeightTarget, load_tensors
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=3)

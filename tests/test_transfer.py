@@ -1,4 +1,4 @@
-"""The packed upload (rollout/transfer.py) through its staging ring: values, dtypes and alignment hold,
+"""The packed upload (rollout/device/staging.py) through its staging ring: values, dtypes and alignment hold,
 and a slot written again never changes a tensor an earlier upload returned (on the GPU: while the
 device is still busy with work queued before the copies)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.transfer import Staging, to_device
+from rollout.device.staging import Staging, to_device
 
 
 def _arrays(rng: np.random.Generator, n: int) -> list[np.ndarray]:

@@ -20,7 +20,7 @@ from weights_helpers import (
 
 from integrations import hf_named_parameters, sync_weights
 from rollout import Engine, SamplingParams
-from rollout.toy import build_checkpoint
+from rollout.models.toy import build_checkpoint
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, pack
 
 FAMILIES = ["qwen2", "qwen3"]  # untied with qkv bias; tied with q/k norms

@@ -7,7 +7,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from rollout import ipc
+from rollout.process import ipc
 from rollout.weights.bucket import (
     FlattenedBucket,
     TensorMeta,

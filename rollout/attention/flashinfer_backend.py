@@ -18,7 +18,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
 from rollout.cache.pool import KVPool
-from rollout.transfer import Staging, to_device
+from rollout.device.staging import Staging, to_device
 
 WORKSPACE_BYTES = 128 << 20  # split-KV partial results; shared by every wrapper (one runs at a time)
 INT_WORKSPACE_BYTES = 8 << 20  # plan arrays of the graph wrappers (shared, re-planned before each replay)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.sequence import Sequence, Status
+from rollout.state.sequence import Sequence, Status
 
 StateShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> ((layers, *per request), dtype)
 

@@ -1,6 +1,8 @@
 """Fronts shaped like SGLang's and vLLM's Python APIs over the one engine (see docs/compat.md).
 
 Each front translates names and shapes, then calls `rollout.Engine`; none has logic of its own.
+
+May import: fronts/, process/, engine/ and below; never serve/.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ all-or-nothing).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib
 import itertools
 import logging
 import threading
@@ -20,13 +22,28 @@ from typing import Any
 import torch
 
 from rollout.compat import with_graphs
-from rollout.compat.serialize import LocalSerializedTensor, MultiprocessingSerializer
-from rollout.engine import Engine as CoreEngine
+from rollout.compat.neutral import refuse
+from rollout.compat.peer_args import SGLANG_SAMPLING_PARAMS, SGLANG_SERVER_ARGS
+from rollout.compat.serialize import (
+    LocalSerializedTensor,
+    MultiprocessingSerializer,
+    deserialize_tensors,
+    serialize_tensors,
+)
+from rollout.engine.engine import Engine as CoreEngine
+from rollout.memory import TAGS
 from rollout.outputs import CompletionOutput, RequestOutput
 from rollout.sampling import SamplingParams
 from rollout.weights.bucket import FlattenedBucket, parse_dtype
 
 log = logging.getLogger("rollout.compat")
+__all__ = [
+    "Engine",
+    "LocalSerializedTensor",
+    "MultiprocessingSerializer",
+    "deserialize_tensors",
+    "serialize_tensors",
+]
 
 # SGLang ServerArgs name -> (engine option, translate value)
 SERVER_ARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
@@ -45,7 +62,39 @@ SERVER_ARGS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "disable_radix_cache": ("enable_prefix_cache", lambda v: not v),
     "enable_mixed_chunk": ("mixed_chunk", lambda v: v),
     "log_level": ("log_level", lambda v: v),
+    "cuda_graph_max_bs": ("cuda_graph_max_bs", lambda v: v),
+    "cuda_graph_max_bs_decode": ("cuda_graph_max_bs", lambda v: v),
+    "max_prefill_tokens": ("max_prefill_tokens", lambda v: v),
 }
+# ServerArgs that change nothing this engine computes, accepted at any value: network and logging of
+# SGLang's own server, remote code (the engine runs its own model code), the tokenizer process (outputs
+# still carry text), and chunking of a prefill (invisible in the outputs)
+IGNORED_SERVER_ARGS = frozenset(
+    {
+        "host",
+        "port",
+        "nccl_port",
+        "api_key",
+        "served_model_name",
+        "log_requests",
+        "log_requests_level",
+        "enable_metrics",
+        "show_time_cost",
+        "decode_log_interval",
+        "skip_server_warmup",
+        "watchdog_timeout",
+        "dist_timeout",
+        "download_dir",
+        "trust_remote_code",
+        "skip_tokenizer_init",
+        "enable_cache_report",
+        "chunked_prefill_size",
+        "gpu_id_step",
+    }
+)
+# load_format at start: every one of these reads the folder's checkpoint (safetensors, else
+# pytorch_model.bin); "dummy" too, since the trainer's first push overwrites the weights anyway
+START_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 
 # SGLang sampling-param key -> SamplingParams field
 SAMPLING_KEYS = {
@@ -70,6 +119,37 @@ SAMPLING_KEYS = {
 # LoRA ServerArgs, combined into the engine's max_loras / max_lora_rank (see _lora_options)
 LORA_ARGS = ("enable_lora", "max_lora_rank", "max_loras_per_batch", "max_loaded_loras", "lora_paths")
 DEFAULT_GROUP = "weight_update_group"
+TOP_K_ALL = 1 << 30  # SGLang's top_k default: the whole vocabulary
+GREEDY_BELOW = 1e-6  # SGLang samples greedily under this temperature
+# sampling keys the engine cannot honour at a non-default value (constrained decoding, custom
+# logit processors, stream pacing); refused by name
+UNSUPPORTED_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "custom_params")
+# Engine.generate's arguments besides those in its signature, each accepted at its neutral value
+GENERATE_NEUTRAL: dict[str, Any] = {
+    "image_data": None,
+    "audio_data": None,
+    "video_data": None,
+    "mm_hashes": None,
+    "mm_content_hashes": None,
+    "token_ids_logprob": None,
+    "custom_logit_processor": None,
+    "require_reasoning": False,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "routed_dp_rank": None,
+    "disagg_prefill_dp_rank": None,
+    "data_parallel_rank": None,
+    "external_trace_header": None,
+    "rid": None,
+    "session_params": None,
+    "priority": None,
+    "session_id": None,
+    "cache_salt": None,
+}
 
 
 class Engine:
@@ -80,18 +160,16 @@ class Engine:
         if model_path is None:
             raise TypeError("Engine() needs model_path")
         self._weights_backup = bool(kwargs.pop("enable_weights_cpu_backup", False))
+        self._custom_loaders = _custom_loaders(kwargs.pop("custom_weight_loader", None))
         lora_args = {k: kwargs.pop(k) for k in LORA_ARGS if k in kwargs}
-        unknown = sorted(set(kwargs) - set(SERVER_ARGS))
-        if unknown:
-            known = sorted([*SERVER_ARGS, *LORA_ARGS])
-            raise TypeError(f"Engine() got unknown server args {unknown}; known: {known}")
-        options = {SERVER_ARGS[k][0]: SERVER_ARGS[k][1](v) for k, v in kwargs.items()}
+        options = _server_options(kwargs)
         adapters = _lora_paths(lora_args.get("lora_paths"))
         self.engine = CoreEngine(model_path, **options, **_lora_options(lora_args, len(adapters)))
         for name, path in adapters.items():
             self.engine.load_lora_adapter(name, path)
         self.tokenizer = self.engine.tokenizer
         self._version_label: str | None = None  # set by an update that names its weight_version
+        self._groups: list[str] = []  # weights update groups joined, in order
         # streams share the engine's step loop: each step's outputs wait here for their own stream
         self._inbox: dict[str, list[RequestOutput]] = {}
         self._step_lock = threading.Lock()
@@ -108,10 +186,14 @@ class Engine:
         top_logprobs_num: int | None = None,
         lora_path: str | list[str | None] | None = None,
         stream: bool = False,
+        **neutral: Any,
     ) -> dict | list[dict] | Iterator[dict]:
         """SGLang's output dicts: one for a single prompt with n=1, else a list (prompt-major). With
         stream=True an iterator of cumulative chunks (batched ones carry their "index" in that order).
-        lora_path: the name of a loaded adapter, for every prompt or one (or None) per prompt."""
+        lora_path: the name of a loaded adapter, for every prompt or one (or None) per prompt. SGLang's
+        other arguments (multimodal data, hidden states, disaggregation, rid, priority, ...) are
+        accepted at their neutral values (GENERATE_NEUTRAL) and refused by name otherwise."""
+        refuse("generate()", neutral, GENERATE_NEUTRAL, "arguments")
         single = isinstance(prompt, str) or (
             input_ids is not None and len(input_ids) > 0 and not isinstance(input_ids[0], (list, tuple))
         )
@@ -219,8 +301,11 @@ class Engine:
         weight_version: str | None = None,
     ) -> tuple[bool, str]:
         """(name, tensor | LocalSerializedTensor) pairs, or with load_format="flattened_bucket" one
-        MultiprocessingSerializer payload per TP rank (bytes or base64) or a bucket dict. The prefix
-        cache is always flushed after a load (its KV came from the old weights), whatever flush_cache."""
+        MultiprocessingSerializer payload per TP rank (bytes or base64) or a bucket dict. "direct": the
+        pairs carry the engine's own parameter names (fused qkv_proj, gate_up_proj) and stored shapes.
+        A name listed in custom_weight_loader ("module.function"): that function is called as
+        `loader(model, named_tensors)`. The prefix cache is always flushed after a load (its KV came
+        from the old weights), whatever flush_cache."""
 
         def run() -> str:
             if load_format == "flattened_bucket":
@@ -228,8 +313,17 @@ class Engine:
                 if bucket is None:
                     return "empty bucket: nothing to load"
                 count = self.engine.update_weights_from_tensor(bucket, load_format="flattened_bucket")
-            else:
+            elif load_format in (None, "direct"):
                 count = self.engine.update_weights_from_tensor(self._named(named_tensors), load_format)
+            elif load_format in self._custom_loaders:
+                named = self._named(named_tensors)
+                self.engine.update_weights_with_loader(_import_loader(load_format), named)
+                return f"loaded {len(named)} tensors with {load_format}"
+            else:
+                raise ValueError(
+                    f"load_format {load_format!r} is unknown: None, 'direct', 'flattened_bucket' or one of "
+                    f"custom_weight_loader {list(self._custom_loaders)}"
+                )
             return f"loaded {count} tensors"
 
         return self._rl("update_weights_from_tensor", run, weight_version)
@@ -274,6 +368,7 @@ class Engine:
             self.engine.init_weights_update_group(
                 master_address, int(master_port), rank_offset, world_size, group_name, backend
             )
+            self._groups.append(group_name)
             return f"joined weights update group {group_name!r}"
 
         return self._rl("init_weights_update_group", run)
@@ -283,15 +378,17 @@ class Engine:
         names: list[str] | str,
         dtypes: list[Any] | Any,
         shapes: list[Any] | Any,
-        group_name: str = DEFAULT_GROUP,
+        group_name: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
         load_format: str | None = None,
     ) -> tuple[bool, str]:
         """One broadcast per name (or one flattened buffer); dtypes as torch dtypes or their names. A
-        single name with its dtype and shape is taken as a list of one."""
+        single name with its dtype and shape is taken as a list of one. Without group_name: the one
+        group joined (whatever its name), else "weight_update_group"."""
         if isinstance(names, str):
             names, dtypes, shapes = [names], [dtypes], [shapes]
+        group_name = self._default_group(group_name)
 
         def run() -> str:
             count = self.engine.update_weights_from_distributed(
@@ -301,19 +398,30 @@ class Engine:
 
         return self._rl("update_weights_from_distributed", run, weight_version)
 
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> tuple[bool, str]:
+    def destroy_weights_update_group(self, group_name: str | None = None) -> tuple[bool, str]:
+        """Without group_name: the one group joined, else "weight_update_group"."""
+        group_name = self._default_group(group_name)
+
         def run() -> str:
             self.engine.destroy_weights_update_group(group_name)
+            self._groups.remove(group_name)
             return f"left weights update group {group_name!r}"
 
         return self._rl("destroy_weights_update_group", run)
+
+    def _default_group(self, group_name: str | None) -> str:
+        if group_name is not None:
+            return group_name
+        return self._groups[0] if len(self._groups) == 1 else DEFAULT_GROUP
 
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, weight_version: str | None = None
     ) -> tuple[bool, str]:
         def run() -> str:
-            if load_format not in (None, "auto", "safetensors"):
-                raise ValueError(f"load_format {load_format!r}: only safetensors checkpoints load")
+            if load_format not in (None, "auto", "safetensors", "pt"):
+                raise ValueError(
+                    f"load_format {load_format!r}: safetensors or pytorch_model.bin checkpoints load"
+                )
             return f"loaded {self.engine.update_weights_from_disk(model_path)} tensors from {model_path}"
 
         return self._rl("update_weights_from_disk", run, weight_version)
@@ -339,6 +447,12 @@ class Engine:
         """The weight as float32 nested lists, first `truncate_size` rows (raises on an unknown name)."""
         return self.engine.get_weights_by_name(name, truncate_size).float().tolist()
 
+    def get_weights_checksum(self) -> str:
+        """SGLang's checksum: one SHA-256 hex string over the parameters as the engine stores them
+        (its own names, sorted; each name's bytes, then the tensor's raw bytes). Equal for bit-identical
+        weights; the native per-name `Engine.weights_checksum` hashes the Hugging Face tensors instead."""
+        return sha256_checksum(self.engine.stored_weights())
+
     def get_weight_version(self) -> str:
         """The label the last update named, else the core's count of updates."""
         return self._version_label if self._version_label is not None else str(self.engine.weight_version)
@@ -355,6 +469,12 @@ class Engine:
 
     # -- memory and lifecycle ---------------------------------------------------------------------
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Raises RuntimeError for a tag already released, as SGLang's memory saver does (tags=None:
+        when everything is)."""
+        again = _tags(tags) & self.engine.released_tags
+        if again and (tags is not None or again == set(TAGS)):
+            raise RuntimeError(f"release_memory_occupation: {again} already released; resume them first")
+
         def run() -> str:
             self.engine.release_memory_occupation(tags, keep_weights_backup=self._weights_backup)
             return f"released {sorted(self.engine.released_tags)}"
@@ -362,6 +482,12 @@ class Engine:
         return self._rl("release_memory_occupation", run)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Raises RuntimeError for a tag that is not released, as SGLang does (tags=None: when nothing
+        is)."""
+        held = _tags(tags) - self.engine.released_tags
+        if held and (tags is not None or not self.engine.released_tags):
+            raise RuntimeError(f"resume_memory_occupation: {held} not released; nothing to resume")
+
         def run() -> str:
             self.engine.resume_memory_occupation(with_graphs(tags, self.engine.released_tags))
             return f"resumed; still released: {sorted(self.engine.released_tags)}"
@@ -382,17 +508,85 @@ class Engine:
 
 
 # -- translation ------------------------------------------------------------------------------------
+def _tags(tags: str | list[str] | None) -> set[str]:
+    if tags is None:
+        return set(TAGS)
+    return {tags} if isinstance(tags, str) else set(tags)
+
+
+def sha256_checksum(named: list[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 over (name, raw bytes) pairs sorted by name, as SGLang's weight checksum."""
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda nt: nt[0]):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _server_options(args: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's ServerArgs as engine options: honoured names translated, ignored ones dropped, every
+    other name accepted at its neutral value and refused by name otherwise."""
+    args = dict(args)
+    load_format = args.pop("load_format", "auto")
+    if load_format not in START_LOAD_FORMATS:
+        raise ValueError(f"Engine(): load_format={load_format!r} unsupported; one of {START_LOAD_FORMATS}")
+    gpu = args.pop("base_gpu_id", 0)
+    if gpu not in (0, None):  # SGLang's first GPU of this engine
+        if args.get("device") not in (None, "cuda"):
+            raise ValueError(f"Engine(): base_gpu_id={gpu} needs device='cuda', got {args['device']!r}")
+        args["device"] = f"cuda:{gpu}"
+    rest = {k: v for k, v in args.items() if k not in SERVER_ARGS and k not in IGNORED_SERVER_ARGS}
+    refuse("Engine()", rest, SGLANG_SERVER_ARGS, "server args")
+    # None is SGLang's "decide for me": the engine's own default
+    return {
+        SERVER_ARGS[k][0]: SERVER_ARGS[k][1](v) for k, v in args.items() if k in SERVER_ARGS and v is not None
+    }
+
+
+def _custom_loaders(value: Any) -> tuple[str, ...]:
+    """custom_weight_loader: the "module.function" paths that update_weights_from_tensor may name."""
+    if value is None:
+        return ()
+    paths = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(p, str) and "." in p for p in paths):
+        raise TypeError(f"custom_weight_loader must be a list of 'module.function' paths, got {value!r}")
+    return tuple(paths)
+
+
+def _import_loader(path: str) -> Callable[..., Any]:
+    module, _, name = path.rpartition(".")
+    try:
+        loader = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"custom_weight_loader {path!r} cannot be imported: {e}") from None
+    if not callable(loader):
+        raise TypeError(f"custom_weight_loader {path!r} is not callable")
+    return loader
+
+
 def to_sampling_params(
     d: dict | None, return_logprob: bool, top_logprobs_num: int | None, lora_name: str | None = None
 ) -> SamplingParams:
-    """SGLang's sampling-param dict as a SamplingParams (unknown keys raise, naming them)."""
+    """SGLang's sampling-param dict as a SamplingParams. Every key of SGLang's SamplingParams is
+    accepted; those the engine cannot honour (constrained decoding, custom params, stream pacing) only
+    at their default, and refused by name otherwise. A key SGLang does not define raises ValueError."""
     d = dict(d or {})
-    unknown = sorted(set(d) - set(SAMPLING_KEYS))
-    if unknown:
-        raise ValueError(f"unknown sampling params {unknown}; known: {sorted(SAMPLING_KEYS)}")
-    fields = {SAMPLING_KEYS[k]: v for k, v in d.items() if v is not None}
-    if "top_k" in fields and fields["top_k"] <= 0:
+    if d.get("stream_interval") == 1:  # every token: what the streams here do
+        d.pop("stream_interval")
+    # fast tokenizers (the engine's) decode without spaces_between_special_tokens: no effect on text
+    d.pop("spaces_between_special_tokens", None)
+    refuse(
+        "sampling_params",
+        {k: v for k, v in d.items() if k not in SAMPLING_KEYS},
+        SGLANG_SAMPLING_PARAMS,
+        "keys",
+        unknown_error=ValueError,
+    )
+    fields = {SAMPLING_KEYS[k]: v for k, v in d.items() if k in SAMPLING_KEYS and v is not None}
+    if "top_k" in fields and (fields["top_k"] <= 0 or fields["top_k"] >= TOP_K_ALL):
         fields["top_k"] = -1  # SGLang's "off"
+    if isinstance(fields.get("temperature"), (int, float)) and 0 < fields["temperature"] < GREEDY_BELOW:
+        fields["temperature"] = 0  # SGLang samples greedily there
     if isinstance(fields.get("logit_bias"), dict):  # SGLang keys it by str(token id), the core by int
         fields["logit_bias"] = {_token_id(k): v for k, v in fields["logit_bias"].items()}
     return SamplingParams(
@@ -487,6 +681,7 @@ def byte_layout(bucket: dict) -> dict:
     buffer, metadata = bucket.get("flattened_tensor"), bucket.get("metadata")
     if not isinstance(buffer, torch.Tensor):
         raise TypeError(f"bucket 'flattened_tensor' must be a tensor, got {type(buffer).__name__}")
+    _check_metadata(metadata)
     if buffer.dtype == torch.uint8:
         return bucket
     size = buffer.element_size()
@@ -506,6 +701,23 @@ def byte_layout(bucket: dict) -> dict:
         )
     raw = buffer.contiguous().view(-1).view(torch.uint8)
     return {"flattened_tensor": raw, "metadata": entries}
+
+
+BUCKET_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx")
+
+
+def _check_metadata(metadata: Any) -> None:
+    """A bucket's metadata: a list of entries, each a dict or an object with SGLang's fields."""
+    if not isinstance(metadata, (list, tuple)):
+        raise TypeError(f"bucket 'metadata' must be a list of entries, got {type(metadata).__name__}")
+    for i, m in enumerate(metadata):
+        has = (lambda k, m=m: k in m) if isinstance(m, dict) else (lambda k, m=m: hasattr(m, k))
+        missing = [k for k in BUCKET_FIELDS if not has(k)]
+        if missing:
+            raise TypeError(
+                f"bucket metadata[{i}] must be a dict or object with {list(BUCKET_FIELDS)}; "
+                f"got {type(m).__name__} {m!r} lacking {missing}"
+            )
 
 
 def _is_payload_list(obj: Any) -> bool:

@@ -7,9 +7,11 @@ Names and shapes are translated here, then the one `rollout.Engine` is called.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +19,10 @@ import torch
 
 from rollout import outputs as native
 from rollout.compat import with_graphs
-from rollout.engine import Engine
+from rollout.compat.neutral import refuse
+from rollout.compat.peer_args import VLLM_ENGINE_ARGS, VLLM_SAMPLING_PARAMS
+from rollout.compat.vllm_worker import call, worker_class
+from rollout.engine.engine import Engine
 from rollout.sampling import SamplingParams as NativeParams
 
 # vLLM's logprobs_mode -> the core's (vLLM's raw_logits / processed_logits have no counterpart)
@@ -27,7 +32,8 @@ LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; exact inside the top-k, a lower bound outside it
+    # the token's place in the full distribution, from 1: tokens with a logprob >= its own (vLLM's)
+    rank: int | None = None
     decoded_token: str | None = None
 
 
@@ -52,7 +58,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
-    prompt_logprobs: None = None
+    # with SamplingParams.prompt_logprobs: None for the first token, then {token: Logprob} per position
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -60,7 +67,15 @@ class SamplingParams:
     """vLLM's names, passed through to the core's SamplingParams (validated when made).
 
     max_tokens=None: as far as the model allows, `max_model_len` minus the prompt (LLM.generate fills
-    it in per prompt); `native` then holds a placeholder of max(min_tokens, 1)."""
+    it in per prompt); `native` then holds a placeholder of max(min_tokens, 1). A given max_tokens is
+    also cut to that room, as vLLM stops a request at max_model_len (finish_reason "length").
+
+    Honoured besides the core's options: `allowed_token_ids`, `bad_words` (tokenized as vLLM does,
+    with and without a leading space, when the LLM generates), `prompt_logprobs`, `detokenize=False`
+    (no text; stop strings then refused, as vLLM refuses them), `best_of` equal to n (or None),
+    `truncate_prompt_tokens` (keep the prompt's last k tokens). Every other name of vLLM's
+    SamplingParams is accepted at its default and refused by name otherwise (`logits_processors`,
+    structured outputs, ...)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -80,11 +95,37 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # no effect: fast tokenizers decode without it
+    best_of: int | None = None
+    detokenize: bool = True
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list | None = None  # refused unless empty: the sampler runs no Python per row
+    output_kind: Any = None  # the offline LLM reports final outputs only
+    extra_args: dict | None = None  # vLLM's in-tree sampling reads none of it either
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    flat_logprobs: bool = False
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    stream_interval: int | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    skip_reading_prefix_cache: bool | None = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: Any = None
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
     _native: NativeParams = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or self.logprobs < 0):
             raise ValueError(f"SamplingParams.logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        self._check_vllm_only()
         max_new = self.max_tokens
         if max_new is None:  # a placeholder that passes validation, replaced per prompt by LLM.generate
             max_new = max(self.min_tokens, 1) if isinstance(self.min_tokens, int) else 1
@@ -101,8 +142,10 @@ class SamplingParams:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs is not None,
-            # the top list also gives the sampled token's rank when it is the most likely one
-            top_logprobs=max(self.logprobs or 0, 1) if self.logprobs is not None else 0,
+            top_logprobs=self.logprobs or 0,
+            logprob_ranks=self.logprobs is not None,  # vLLM reports the sampled token's rank
+            prompt_logprobs=self.prompt_logprobs,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -115,6 +158,39 @@ class SamplingParams:
     def native(self) -> NativeParams:
         return self._native
 
+    def _check_vllm_only(self) -> None:
+        """vLLM's own checks (ValueError, as vLLM raises) and the neutral rule for what is not honoured."""
+        if self.best_of is not None:
+            if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or self.best_of < self.n:
+                raise ValueError(
+                    f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+                )
+            if self.best_of != self.n:
+                raise ValueError(
+                    f"best_of={self.best_of} (> n={self.n}) is unsupported: the engine returns every sample"
+                )
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0
+        ):
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        if not self.detokenize and self.stop:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
+        if self.truncate_prompt_tokens is not None and (
+            isinstance(self.truncate_prompt_tokens, bool)
+            or not isinstance(self.truncate_prompt_tokens, int)
+            or self.truncate_prompt_tokens < 1
+        ):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}")
+        if self.bad_words is not None and (
+            isinstance(self.bad_words, str)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        neutral = {name: getattr(self, name) for name in NEUTRAL_ONLY}
+        refuse("SamplingParams", neutral, {**VLLM_SAMPLING_PARAMS, **OLD_SAMPLING_PARAMS}, "field")
+
 
 @dataclass
 class LoRARequest:
@@ -124,6 +200,26 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+
+
+# SamplingParams names of earlier vLLM releases, with their neutral values
+OLD_SAMPLING_PARAMS = {"logits_processors": None, "guided_decoding": None}
+# fields held only at a neutral value (refused by name otherwise)
+NEUTRAL_ONLY = (
+    "logits_processors",
+    "structured_outputs",
+    "guided_decoding",
+    "flat_logprobs",
+    "logprob_token_ids",
+    "prompt_logprob_token_ids",
+    "prompt_logprob_start",
+    "stream_interval",
+    "thinking_token_budget",
+    "repetition_detection",
+    "watermarking",
+    "routed_experts_prompt_start",
+    "trace_decode_token_ids",
+)
 
 
 # LLM(...) names -> engine options; names vLLM callers pass that have no effect here map to None
@@ -146,7 +242,31 @@ LLM_ARGS: dict[str, str | None] = {
     "tokenizer": None,
     "enforce_eager": None,
     "max_cpu_loras": None,  # no host cache of adapters: one not loaded is read from its folder
+    "disable_log_stats": None,  # the engine logs no per-step stats
+    "enable_chunked_prefill": None,  # prefill chunking is invisible in the outputs
+    "disable_custom_all_reduce": None,
+    "skip_tokenizer_init": None,  # outputs still carry text
+    "swap_space": None,  # earlier vLLM: preempted requests are recomputed, never swapped
+    "max_seq_len_to_capture": None,
+    "tokenizer_mode": None,
+    "served_model_name": None,
+    "download_dir": None,
+    "hf_token": None,
+    "use_tqdm_on_load": None,
+    "max_parallel_loading_workers": None,
 }
+# LLM-only names (not EngineArgs), accepted at their neutral values
+LLM_ONLY = {
+    "chat_template": None,
+    "spec_method": None,
+    "spec_model": None,
+    "spec_tokens": None,
+    "quantization_config": None,
+    "enable_return_routed_experts": False,
+    "return_sampling_mask": False,
+}
+# load_format values that read the folder's checkpoint (safetensors, else pytorch_model.bin)
+LOAD_FORMATS = ("auto", "safetensors", "pt")
 
 
 class LLM:
@@ -159,18 +279,32 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        max_logprobs: int = 20,
+        worker_extension_cls: str | type | None = None,
+        load_format: str = "auto",
+        scheduling_policy: str = "fcfs",
         **kwargs: Any,
     ):
-        unknown = sorted(set(kwargs) - set(LLM_ARGS))
-        if unknown:
-            raise TypeError(f"LLM() got unknown arguments {unknown}; known: {sorted(LLM_ARGS)}")
+        """vLLM's EngineArgs names: honoured ones translated (LLM_ARGS, above), every other accepted at
+        its neutral value (vLLM's default) and refused by name otherwise; a name vLLM does not define
+        raises TypeError."""
+        rest = {k: v for k, v in kwargs.items() if k not in LLM_ARGS}
+        refuse("LLM()", rest, {**VLLM_ENGINE_ARGS, **LLM_ONLY}, "arguments")
         if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} is not supported")
+            raise ValueError(f"LLM(): quantization={quantization!r} is unsupported")
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"LLM(): load_format={load_format!r} unsupported; one of {LOAD_FORMATS}")
+        if scheduling_policy != "fcfs":
+            raise ValueError(
+                f"LLM(): scheduling_policy={scheduling_policy!r} unsupported; the engine is fcfs"
+            )
+        self.max_logprobs = max_logprobs
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        options = {LLM_ARGS[k]: v for k, v in kwargs.items() if LLM_ARGS[k] is not None and v is not None}
+        honoured = {k: v for k, v in kwargs.items() if LLM_ARGS.get(k) is not None and v is not None}
+        options = {LLM_ARGS[k]: v for k, v in honoured.items()}
         if kwargs.get("enforce_eager"):
             options["cuda_graph"] = False
         if options.get("dtype") == "half":
@@ -178,6 +312,7 @@ class LLM:
         if enable_lora:  # as in vLLM, the LoRA sizes count only with enable_lora
             options.update(max_loras=max_loras, max_lora_rank=max_lora_rank)
         self.engine = Engine(model, **options)
+        self.worker = worker_class(worker_extension_cls)(self.engine)
         self.llm_engine = _LLMEngine(self)  # the attribute paths TRL's colocate mode reaches through
         self._ids = itertools.count()
         self._loras: dict[str, int] = {}  # adapters loaded from LoRARequests: name -> lora_int_id, LRU first
@@ -189,36 +324,71 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        priority: int | list[int] | None = None,
+        *,
+        tokenization_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """prompts: text, {"prompt_token_ids": [...]} / {"prompt": text} dicts, or a list of them.
-        lora_request: one for every prompt, or a list of one (or None: the base model) per prompt."""
-        items = prompts if isinstance(prompts, list) else [prompts]
+        lora_request: one for every prompt, or a list of one (or None: the base model) per prompt.
+        priority: one int or one per prompt; the engine schedules first come, first served, as vLLM
+        does under its default scheduling_policy="fcfs", where priorities are not read either.
+        Every prompt is validated before any runs: a bad one raises and leaves nothing in flight."""
+        items = prompts if isinstance(prompts, (list, tuple)) else [prompts]
         params = self._params(sampling_params, len(items))
+        _check_priority(priority, len(items))
+        refuse(
+            "generate()",
+            {"tokenization_kwargs": tokenization_kwargs, "mm_processor_kwargs": mm_processor_kwargs},
+            {"tokenization_kwargs": None, "mm_processor_kwargs": None},
+            "arguments",
+        )
         loras = self._lora_names(lora_request, len(items))
-        unbounded = any(p.max_tokens is None for p in params)
-        texts, ids = _split_prompts(items, self.engine.tokenizer, all_ids=unbounded)
-        native_params = [
-            self._native(p, lora, None if ids is None else len(i))
-            for p, lora, i in zip(params, loras, ids or [None] * len(items))
-        ]
-        if ids is None:
-            outs = self.engine.generate(texts, native_params, use_tqdm=use_tqdm)
-        else:
+        texts, ids = _split_prompts(items, self.engine.tokenizer, all_ids=True)
+        ids = [i[-p.truncate_prompt_tokens :] if p.truncate_prompt_tokens else i for i, p in zip(ids, params)]
+        native_params = [self._native(p, lora, len(i)) for p, lora, i in zip(params, loras, ids)]
+        with _vllm_errors():
             outs = self.engine.generate(input_ids=ids, sampling_params=native_params, use_tqdm=use_tqdm)
         return [self._output(o, p, t) for o, p, t in zip(outs, params, texts)]
 
     def _native(self, p: SamplingParams, lora_name: str | None, prompt_len: int | None) -> NativeParams:
         mode = LOGPROBS_MODES[self.logprobs_mode]
         changes: dict[str, Any] = {"logprobs_mode": mode, "lora_name": lora_name}
-        if p.max_tokens is None:  # vLLM: up to the model's length
-            room = self.engine.max_model_len - prompt_len
-            if room < 1:
-                raise ValueError(
-                    f"prompt of {prompt_len} tokens leaves no room under max_model_len="
-                    f"{self.engine.max_model_len}"
-                )
-            changes["max_new_tokens"] = room
+        self._check_max_logprobs(p)
+        if prompt_len is not None:  # vLLM stops a request at max_model_len: fit max_tokens into it
+            room = self._room(prompt_len)
+            changes["max_new_tokens"] = room if p.max_tokens is None else min(p.max_tokens, room)
+            changes["min_tokens"] = min(p.min_tokens, changes["max_new_tokens"])
+        if p.bad_words:
+            changes["bad_words_ids"] = _bad_words_ids(p.bad_words, self.engine.tokenizer)
         return dataclasses.replace(p.native, **changes)
+
+    def _room(self, prompt_len: int) -> int:
+        """Tokens a prompt leaves under max_model_len; vLLM's error when it leaves none."""
+        limit = self.engine.max_model_len
+        if prompt_len > limit:
+            raise ValueError(
+                f"The decoder prompt (length {prompt_len}) is longer than the maximum model length of "
+                f"{limit}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
+        if prompt_len == limit:
+            raise ValueError(
+                f"The decoder prompt (length {prompt_len}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {limit}. Make sure that "
+                "`max_model_len` is no smaller than the number of text tokens (prompt + requested output "
+                "tokens)."
+            )
+        return limit - prompt_len
+
+    def _check_max_logprobs(self, p: SamplingParams) -> None:
+        if self.max_logprobs == -1:
+            return
+        for what, k in (("sample", p.logprobs), ("prompt", p.prompt_logprobs)):
+            if k is not None and k > self.max_logprobs:
+                limit = self.max_logprobs
+                raise ValueError(
+                    f"Requested {what} logprobs of {k}, which is greater than max allowed: {limit}"
+                )
 
     def chat(
         self,
@@ -235,12 +405,15 @@ class LLM:
             raise ValueError("chat: max_tokens=None is not supported; give max_tokens")
         loras = self._lora_names(lora_request, count)
         native_params = [self._native(p, lora, None) for p, lora in zip(params, loras)]
-        outs = self.engine.chat(messages, native_params, chat_template_kwargs, use_tqdm=use_tqdm)
+        with _vllm_errors():
+            outs = self.engine.chat(messages, native_params, chat_template_kwargs, use_tqdm=use_tqdm)
         return [self._output(o, p, o.prompt) for o, p in zip(outs, params)]
 
     def _params(self, sp: Any, count: int) -> list[SamplingParams]:
-        params = [sp or SamplingParams()] * count if not isinstance(sp, list) else sp
-        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        params = [sp or SamplingParams()] * count if not isinstance(sp, (list, tuple)) else list(sp)
+        if len(params) != count:  # vLLM's check and words
+            raise ValueError(f"The lengths of prompts ({count}) and params ({len(params)}) must be the same.")
+        if not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError(f"sampling_params must be a SamplingParams or a list of {count} of them")
         for p in params:
             self._check_logprobs_mode(p)
@@ -303,7 +476,19 @@ class LLM:
             prompt_token_ids=list(out.prompt_token_ids),
             outputs=[self._completion(c, p) for c in out.outputs],
             finished=out.finished,
+            prompt_logprobs=self._prompt_logprobs(out, p),
         )
+
+    def _prompt_logprobs(self, out: native.RequestOutput, p: SamplingParams) -> list | None:
+        """vLLM's shape: None for the first prompt token, then {token: Logprob} with the prompt token
+        (its rank exact when it is among the top k, else None) and the top k."""
+        if p.prompt_logprobs is None or out.prompt_logprobs is None:
+            return None
+        tops = out.prompt_top_logprobs or [{}] * len(out.prompt_logprobs)
+        positions: list[dict[int, Logprob] | None] = [None]
+        for token, lp, top in zip(out.prompt_token_ids[1:], out.prompt_logprobs, tops):
+            positions.append(self._position(token, lp, top, p.prompt_logprobs, None, p.detokenize))
+        return positions
 
     def _completion(self, c: native.CompletionOutput, p: SamplingParams) -> CompletionOutput:
         stop_reason = c.stop_reason
@@ -311,13 +496,15 @@ class LLM:
             stop_reason = None  # vLLM reports None for EOS
         logprobs = None
         if c.logprobs is not None:
+            tops = c.top_logprobs or [{}] * len(c.logprobs)
+            ranks = c.logprob_ranks or [None] * len(c.logprobs)
             logprobs = [
-                self._position(t, lp, top, p.logprobs)
-                for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs)
+                self._position(t, lp, top, p.logprobs, rank, p.detokenize)
+                for t, lp, top, rank in zip(c.token_ids, c.logprobs, tops, ranks)
             ]
         return CompletionOutput(
             index=c.index,
-            text=c.text,
+            text=c.text if p.detokenize else "",
             token_ids=list(c.token_ids),
             cumulative_logprob=sum(c.logprobs) if c.logprobs is not None else None,
             logprobs=logprobs,
@@ -325,41 +512,68 @@ class LLM:
             stop_reason=stop_reason,
         )
 
-    def _position(self, token: int, logprob: float, top: dict[int, float], k: int) -> dict[int, Logprob]:
-        """vLLM's per-position dict: the top k by rank, plus the sampled token with its rank."""
-        ranked = sorted(top.items(), key=lambda kv: -kv[1])
-        entries = {t: Logprob(lp, r, self._decode(t)) for r, (t, lp) in enumerate(ranked[:k], start=1)}
-        rank = next((r for r, (t, _) in enumerate(ranked, start=1) if t == token), len(ranked) + 1)
-        entries.setdefault(token, Logprob(logprob, rank, self._decode(token)))
+    def _position(
+        self, token: int, logprob: float, top: dict[int, float], k: int, rank: int | None, text: bool
+    ) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the token with its rank (the engine's count of tokens at least as
+        likely), then the top k by rank."""
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+        if rank is None:  # a prompt token: exact when among the top k
+            rank = next((r for r, (t, _) in enumerate(ranked, start=1) if t == token), None)
+        entries = {token: Logprob(logprob, rank, self._decode(token, text))}
+        for r, (t, lp) in enumerate(ranked, start=1):
+            entries.setdefault(t, Logprob(lp, r, self._decode(t, text)))
         return entries
 
-    def _decode(self, token: int) -> str | None:
+    def _decode(self, token: int, text: bool = True) -> str | None:
         tok = self.engine.tokenizer
-        return None if tok is None else tok.decode([token])
+        return None if tok is None or not text else tok.decode([token])
 
     # -- weights and memory -----------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """What TRL colocate calls per tensor (through llm_engine...model.load_weights)."""
-        named = list(weights)
-        self.engine.update_weights_from_tensor(named)
-        return {name for name, _ in named}
+        with _vllm_errors():
+            return self.worker.model_runner.model.load_weights(weights)
 
-    def reset_prefix_cache(self) -> bool:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call a worker method by name (or a callable taking the worker) on this engine's one worker
+        and answer the list of its one result (see rollout/compat/vllm_worker.py). It runs in this
+        thread: `timeout` is not needed."""
+        with _vllm_errors():
+            return [call(self.worker, method, tuple(args), kwargs)]
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """`func(model)` on the engine's model module (the engine's own parameter names)."""
+        return [func(self.engine.model)]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         self.engine.flush_cache()
         return True
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort", reset_connector: bool = True) -> None:
         """Level 1 keeps a host copy of the weights and drops the KV cache; level 2 drops both (push
-        new weights after waking)."""
+        new weights, or collective_rpc("reload_weights"), after waking). Nothing is in flight between
+        offline calls, so every `mode` is the same here."""
         if not self.sleep_mode:
             raise RuntimeError("sleep needs LLM(..., enable_sleep_mode=True)")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self.engine.release_memory_occupation(keep_weights_backup=level == 1)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Resume "weights", "kv_cache" (and with it the decode graphs), or everything."""
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Resume "weights", "kv_cache" (and with it the decode graphs), or everything; whether the
+        engine is fully awake."""
         self.engine.resume_memory_occupation(with_graphs(tags, self.engine.released_tags))
+        return not self.engine.released_tags
+
+    def is_sleeping(self) -> bool:
+        return bool(self.engine.released_tags)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -369,16 +583,28 @@ class LLM:
 
 
 class _LLMEngine:
-    """`llm.llm_engine.model_config.max_model_len` and
-    `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights`."""
+    """`llm.llm_engine.model_config.max_model_len`,
+    `llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (TRL's path),
+    `get_num_unfinished_requests()` and `collective_rpc`."""
 
     def __init__(self, llm: LLM):
+        self._llm = llm
         self.model_config = _Namespace(max_model_len=llm.engine.max_model_len)
-        model = _Namespace(load_weights=llm.load_weights)
-        self.model_executor = _Namespace(driver_worker=_Namespace(model_runner=_Namespace(model=model)))
+        self.model_executor = _Namespace(driver_worker=llm.worker)
 
-    def reset_prefix_cache(self) -> bool:
-        return True
+    def reset_prefix_cache(self, *args: Any) -> bool:
+        return self._llm.reset_prefix_cache()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self._llm.engine.stats.requests
+
+    def has_unfinished_requests(self) -> bool:
+        return self._llm.engine.has_unfinished()
+
+    def collective_rpc(
+        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: Any = None
+    ) -> list:
+        return self._llm.collective_rpc(method, timeout, args, kwargs)
 
 
 class _Namespace:
@@ -410,3 +636,55 @@ def _split_prompts(
     if any(i is None for i in ids) and tokenizer is None:
         raise ValueError("text prompts need a tokenizer, and the checkpoint has none")
     return texts, [i if i is not None else list(tokenizer.encode(t)) for i, t in zip(ids, texts)]
+
+
+def _check_priority(priority: Any, count: int) -> None:
+    if priority is None or (isinstance(priority, int) and not isinstance(priority, bool)):
+        return
+    if not isinstance(priority, (list, tuple)):
+        raise TypeError(f"priority must be an int or a list of ints, got {type(priority).__name__}")
+    if len(priority) != count:
+        raise ValueError(f"The lengths of prompts ({count}) and priority ({len(priority)}) must be the same.")
+    if not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+        raise TypeError(f"priority entries must be ints, got {priority!r}")
+
+
+def _bad_words_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word as written (left-stripped), and with a leading space
+    when that is another word token of the same length."""
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer, and the checkpoint has none")
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
+# the engine's memory errors in vLLM's words: sleep() / wake_up() instead of release / resume
+_HINTS = (
+    (re.compile(r"resume_memory_occupation\(tags=\['weights'\]\)"), "wake_up(['weights'])"),
+    (re.compile(r"resume_memory_occupation\(\)"), "wake_up()"),
+    (re.compile(r"release_memory_occupation\(\)"), "sleep()"),
+    (re.compile(r"release with keep_weights_backup=True"), "sleep(level=1) to keep them"),
+    (re.compile(r"push new weights with update_weights_\*"), "load new weights (load_weights, or "
+     "collective_rpc('reload_weights') for the checkpoint's)"),
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _vllm_errors() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        for pattern, words in _HINTS:
+            text = pattern.sub(words, text)
+        if text == str(e):
+            raise
+        raise RuntimeError(text) from None

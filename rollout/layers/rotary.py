@@ -15,8 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.models.config import rope_parameters, rope_type
-
 
 def rope_init_function(kind: str):
     """transformers' function computing (inv_freq, attention_factor) for this rope type."""
@@ -103,3 +101,15 @@ class Rotary(nn.Module):
         # cos_sin: [max_positions, head_dim] = cos half | sin half, both times the scale (yarn, longrope)
         cos_sin = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+
+def rope_parameters(hf: Any) -> dict[str, Any]:
+    """The RoPE settings (with rope_theta) as this transformers version keeps them."""
+    params = getattr(hf, "rope_parameters", None)  # transformers 5 (old spellings already folded in)
+    if params is None:  # transformers 4: rope_theta beside an optional rope_scaling
+        params = dict(getattr(hf, "rope_scaling", None) or {}, rope_theta=getattr(hf, "rope_theta", 10000.0))
+    return params
+
+
+def rope_type(params: dict[str, Any]) -> str:
+    return params.get("rope_type") or params.get("type") or "default"

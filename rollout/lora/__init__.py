@@ -1,4 +1,7 @@
-"""LoRA adapters applied unmerged in the forward, several per batch (see docs/lora.md)."""
+"""LoRA adapters applied unmerged in the forward, several per batch (see docs/lora.md).
+
+May import: layers/ and the top-level value modules. Never runner/ or above.
+"""
 
 from rollout.lora.config import TARGETS, AdapterConfig
 from rollout.lora.layers import LoraLinear, LoraState

@@ -122,6 +122,8 @@ class CudaMemorySaver(MemorySaver):
         # region, and torch_memory_saver ends the process with status 1 on a free outside a region.
         # From here on this (main) thread counts as inside one, so those frees go through.
         impl = getattr(self._tms, "_impl", None)
+        if impl is None:  # its library never started (a stand-in module, as in tests): nothing to free
+            return
         cdll = getattr(getattr(impl, "_binary_wrapper", None), "cdll", None)
         if cdll is None or not hasattr(cdll, "tms_set_interesting_region"):
             log.warning("torch_memory_saver has no tms_set_interesting_region: the exit status may be 1")

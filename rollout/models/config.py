@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.layers.rotary import rope_parameters, rope_type
 from rollout.models.registry import MODELS
 
 # Shape fields with no sensible default: a config.json without one is broken, not "default-sized"
@@ -137,18 +138,6 @@ def check_fields(cfg: dict[str, Any], source: str) -> None:
     missing = [k for k in REQUIRED if cfg.get(k) is None and text.get(k) is None]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing} for {archs[0]}")
-
-
-def rope_parameters(hf: Any) -> dict[str, Any]:
-    """The RoPE settings (with rope_theta) as this transformers version keeps them."""
-    params = getattr(hf, "rope_parameters", None)  # transformers 5 (old spellings already folded in)
-    if params is None:  # transformers 4: rope_theta beside an optional rope_scaling
-        params = dict(getattr(hf, "rope_scaling", None) or {}, rope_theta=getattr(hf, "rope_theta", 10000.0))
-    return params
-
-
-def rope_type(params: dict[str, Any]) -> str:
-    return params.get("rope_type") or params.get("type") or "default"
 
 
 def _read_json(file: Path) -> dict[str, Any]:

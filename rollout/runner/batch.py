@@ -58,3 +58,4 @@ class StepOutput:
     logprobs: list[float]
     top: list[dict[int, float]] | None
     prompt: dict[int, Any] | None = None  # batch index -> scoring.PromptPiece (logprobs of given tokens)
+    ranks: list[int] | None = None  # the sampled tokens' ranks (SamplingParams.logprob_ranks)

@@ -35,7 +35,7 @@ from rollout.runner.sampler import SamplingBatch
 log = logging.getLogger("rollout")
 
 # (graph, pool, stream) -> context manager that captures into `graph`; the engine's memory saver
-# provides one that tags the graph memory (see rollout/memory.py)
+# provides one that tags the graph memory (see rollout/memory/)
 CaptureContext = Callable[[torch.cuda.CUDAGraph, Any, Any], contextlib.AbstractContextManager]
 
 

@@ -1,5 +1,5 @@
-"""Changes to the logits before temperature, in vLLM's order: min_tokens masks and logit_bias, then the
-repetition, presence and frequency penalties.
+"""Changes to the logits before temperature, in vLLM's order: masks (min_tokens, bad words, allowed
+tokens) and logit_bias, then the repetition, presence and frequency penalties.
 
 Built for a step only when a request in the batch uses one of them (`SamplingParams.adjusts_logits`,
 checked once per batch): the default path never reaches this module. A row's change depends on its own
@@ -16,14 +16,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rollout.sequence import Sequence
-from rollout.transfer import Staging, to_device
+from rollout.device.staging import Staging, to_device
+from rollout.state.sequence import Sequence
 
 
 @dataclass
 class LogitAdjust:
-    mask_rows: torch.Tensor  # int64 [M]: (row, token) pairs set to -inf (min_tokens)
+    mask_rows: torch.Tensor  # int64 [M]: (row, token) pairs set to -inf (min_tokens, bad words)
     mask_tokens: torch.Tensor
+    allow_rows: torch.Tensor  # int64 [A]: rows limited to allowed tokens
+    allow_index: torch.Tensor  # int64 [L]: (index into allow_rows, token) of each allowed token
+    allow_tokens: torch.Tensor
     bias_rows: torch.Tensor  # int64 [B]: (row, token, value) added (logit_bias)
     bias_tokens: torch.Tensor
     bias_values: torch.Tensor  # float32 [B]
@@ -44,7 +47,9 @@ class LogitAdjust:
         staging: Staging | None = None,
     ) -> LogitAdjust:
         eos = [t for t in eos_ids if t < vocab]
-        mask = _pairs((i, _min_tokens_mask(s, eos)) for i, s in enumerate(seqs))
+        mask = _pairs((i, _min_tokens_mask(s, eos) + _bad_words_mask(s)) for i, s in enumerate(seqs))
+        allow = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]
+        allowed = _pairs((j, seqs[i].params.allowed_token_ids) for j, i in enumerate(allow))
         bias = [(i, t, b) for i, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
         pen = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
         values = [[seqs[i].params.repetition_penalty, seqs[i].params.presence_penalty,
@@ -57,6 +62,8 @@ class LogitAdjust:
         )
         arrays = [
             *mask,
+            np.array(allow, dtype=np.int64),
+            *allowed,
             np.array([b[0] for b in bias], dtype=np.int64),
             np.array([b[1] for b in bias], dtype=np.int64),
             np.array([b[2] for b in bias], dtype=np.float32),
@@ -71,6 +78,10 @@ class LogitAdjust:
         """The adjusted logits (a new tensor: the raw ones still give the default logprobs)."""
         logits = logits.clone()
         logits[self.mask_rows, self.mask_tokens] = float("-inf")
+        if len(self.allow_rows):
+            keep = torch.zeros(len(self.allow_rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[self.allow_index, self.allow_tokens] = True
+            logits[self.allow_rows] = logits[self.allow_rows].masked_fill(~keep, float("-inf"))
         logits.index_put_((self.bias_rows, self.bias_tokens), self.bias_values, accumulate=True)
         if len(self.pen_rows):
             logits[self.pen_rows] = self._penalise(logits[self.pen_rows])
@@ -94,6 +105,16 @@ def _min_tokens_mask(seq: Sequence, eos: list[int]) -> list[int]:
     if seq.num_output >= p.min_tokens:
         return []
     return sorted(set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos)))
+
+
+def _bad_words_mask(seq: Sequence) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (vLLM's bad_words,
+    matched against the output only)."""
+    words = seq.params.bad_words_ids
+    if not words:
+        return []
+    out = seq.output_ids
+    return [w[-1] for w in words if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1 :] == w[:-1]]
 
 
 def _pairs(items: Iterable[tuple[int, list[int]]]) -> list[np.ndarray]:

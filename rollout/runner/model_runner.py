@@ -2,7 +2,7 @@
 
 Host work per step is numpy over the batch (no per-request tensor work): the page table comes from a
 mirror updated incrementally (page_table.py), and the batch's integers reach the device in one pinned,
-non-blocking copy (transfer.py). Decode steps that fit a captured CUDA graph write straight into its
+non-blocking copy (device/staging.py). Decode steps that fit a captured CUDA graph write straight into its
 static buffers.
 
 A decode batch of the same sequences as the last step (the steady state) reuses what cannot have
@@ -22,18 +22,18 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
 from rollout.cache.state import SlotTable, Snapshots, StateBatch, StatePool, snapshot_point
+from rollout.device.staging import Staging, to_device
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
+from rollout.runner.prompt_logprobs import prompt_logprobs
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
-from rollout.scoring import prompt_logprobs
-from rollout.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
-from rollout.transfer import Staging, to_device
+from rollout.state.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 
 if TYPE_CHECKING:
     from rollout.lora import LoraManager
-    from rollout.scheduler import ScheduledBatch
+    from rollout.state.scheduled import ScheduledBatch
 
 
 @dataclass
@@ -64,6 +64,7 @@ class Launched:
     event: Any = None
     num_top: int = 0
     prompt: dict | None = None  # logprobs of given tokens (host values already)
+    ranks: bool = False  # the packed rows end with the sampled tokens' ranks
 
     @classmethod
     def start(cls, sampled: list[int], seq_ids: list[int], res: SampleResult, k: int, prompt) -> Launched:
@@ -71,6 +72,8 @@ class Launched:
         cols = [res.tokens.double().unsqueeze(1), res.logprobs.double().unsqueeze(1)]
         if k:
             cols += [res.top_ids.double(), res.top_logprobs.double()]
+        if res.ranks is not None:
+            cols.append(res.ranks.double().unsqueeze(1))
         packed, event = torch.cat(cols, dim=1), None
         if packed.is_cuda:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -78,7 +81,7 @@ class Launched:
             event = torch.cuda.Event()
             event.record()
             packed = host
-        return cls(sampled, seq_ids, res.tokens, packed, event, k, prompt)
+        return cls(sampled, seq_ids, res.tokens, packed, event, k, prompt, res.ranks is not None)
 
     def collect(self) -> StepOutput | None:
         """Wait for the copy; the host-side results (None: nothing sampled and no prompt logprobs)."""
@@ -86,7 +89,7 @@ class Launched:
             return None if self.prompt is None else StepOutput([], [], None, self.prompt)
         if self.event is not None:
             self.event.synchronize()
-        out = _unpack(self.packed.tolist(), self.num_top)
+        out = _unpack(self.packed.tolist(), self.num_top, self.ranks)
         out.prompt = self.prompt
         return out
 
@@ -361,7 +364,7 @@ class ModelRunner:
         inputs, host, seq_ids = self._prepare(batch, prev)
         hidden = self.forward_hidden(inputs)
         self._snapshot_out(batch, host.state_slots)
-        # logprobs of given tokens at the chunk's positions (rollout/scoring.py), before sampling
+        # logprobs of given tokens at the chunk's positions (runner/prompt_logprobs.py), before sampling
         prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
         sampled = host.sampled.tolist()
         if inputs.sampling is None:
@@ -398,8 +401,8 @@ def _take_pending_ids(
         input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
 
-def _unpack(rows: list[list[float]], k: int) -> StepOutput:
+def _unpack(rows: list[list[float]], k: int, ranks: bool = False) -> StepOutput:
     tokens = [int(r[0]) for r in rows]
     logprobs = [r[1] for r in rows]
-    top = [dict(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in rows] if k else None
-    return StepOutput(tokens, logprobs, top)
+    top = [dict(zip(map(int, r[2 : 2 + k]), r[2 + k : 2 + 2 * k])) for r in rows] if k else None
+    return StepOutput(tokens, logprobs, top, ranks=[int(r[2 + 2 * k]) for r in rows] if ranks else None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollout.sequence import Sequence, Status
+from rollout.state.sequence import Sequence, Status
 
 
 @dataclass

@@ -38,7 +38,7 @@ def _load(row_ptr, start, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _fixed(p):
+def fixed_weight(p):
     return (p * 4503599627370496.0).to(tl.int64)  # * 2**52 is exact in float32; the cast floors
 
 
@@ -52,7 +52,7 @@ def _above(row_ptr, V, b, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
         if BY_COUNT:
             acc += above.to(tl.int64)
         else:
-            acc += tl.where(above, _fixed(p), 0)
+            acc += tl.where(above, fixed_weight(p), 0)
     return tl.sum(acc)
 
 
@@ -113,7 +113,7 @@ def _cut(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr,
     rank by id, so how many survive is arithmetic."""
     b, above = _least_bits(row_ptr, V, lo, hi, bound, BY_COUNT, BLOCK)
     size, last = _group(row_ptr, V, b, BLOCK)
-    unit = tl.where(BY_COUNT, 1, _fixed(b.to(tl.float32, bitcast=True)))
+    unit = tl.where(BY_COUNT, 1, fixed_weight(b.to(tl.float32, bitcast=True)))
     # member j (0-based, in id order) survives while above + j * unit < bound; member 0 does
     j_lo = tl.zeros((), dtype=tl.int64)
     j_hi = size
@@ -133,7 +133,7 @@ def _cut(row_ptr, V, lo, hi, bound, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr,
 @triton.jit
 def _kept(offs, bits, p, cut_bits, cut_id, min_w):
     """Weights of the tokens at or above the cut (a (bits, id) pair) and at or above min-p's weight."""
-    w = _fixed(p)
+    w = fixed_weight(p)
     at_least = (bits > cut_bits) | ((bits == cut_bits) & (offs <= cut_id))
     return tl.where(at_least & (w >= min_w), w, 0)
 
@@ -177,18 +177,19 @@ def _truncation(row_ptr, V, k, top_p, min_p, BLOCK: tl.constexpr, NB: tl.constex
     hi = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(0, V, BLOCK):
         offs, valid, bits, p = _load(row_ptr, start, V, BLOCK)
-        sums = tl.where(tl.arange(0, NB) == start // BLOCK, tl.sum(_fixed(p)), sums)
+        sums = tl.where(tl.arange(0, NB) == start // BLOCK, tl.sum(fixed_weight(p)), sums)
         lo = tl.minimum(lo, tl.where(valid, bits, 0x7FFFFFFF))
         hi = tl.maximum(hi, bits)
     total = tl.sum(sums)
     lo = tl.min(lo) - 1  # below every token: the searches' predicates fail there
     hi = tl.max(hi)
-    top = _fixed(hi.to(tl.float32, bitcast=True))  # the largest weight: the top token survives everything
+    # the largest weight: the top token survives everything
+    top = fixed_weight(hi.to(tl.float32, bitcast=True))
 
     cut = tl.zeros((), dtype=tl.int64)  # no truncation: every key is >= 0
     if k < V:  # the k-th largest key; the top-p bound is a share of the weight from there up
         cut, b, _, kept = _cut(row_ptr, V, lo, hi, k.to(tl.float64), True, BLOCK, ID_BITS)
-        total = _above(row_ptr, V, b, False, BLOCK) + kept * _fixed(b.to(tl.float32, bitcast=True))
+        total = _above(row_ptr, V, b, False, BLOCK) + kept * fixed_weight(b.to(tl.float32, bitcast=True))
         lo = b - 1
     if top_p < 1.0:
         key, _, _, _ = _cut(row_ptr, V, lo, hi, top_p * total.to(tl.float64), False, BLOCK, ID_BITS)
@@ -275,7 +276,7 @@ def sample_rows(
     """probs: float32 [N, >= vocab] (row stride may exceed vocab). Returns each row's token and cut key
     (int64 [N]): the tokens that survive top-k and top-p are those whose key (`keys`) is >= the cut.
 
-    block_sums: int64 [N, NB] (`launch_config`), the `_fixed` weight of each BLOCK of each row's probs
+    block_sums: int64 [N, NB] (`launch_config`), the `fixed_weight` weight of each BLOCK of each row's probs
     (softmax_kernel computes them while writing probs); rows without truncation then draw from them."""
     N = probs.shape[0]
     assert top_p.stride(0) == min_p.stride(0) and top_k.is_contiguous() and uniforms.is_contiguous()

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rollout.device.staging import Staging, to_device
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.sampling import SamplingParams
-from rollout.transfer import Staging, to_device
 
 
 @dataclass
@@ -51,6 +51,7 @@ class SamplingBatch:
     any_greedy: bool = True  # False: no row needs the argmax
     processed: torch.Tensor | None = None  # bool [N], rows with logprobs_mode="processed" (None: none)
     adjust: LogitAdjust | None = None
+    logprob_ranks: bool = False  # a row wants its sampled token's rank
 
     @classmethod
     def build(
@@ -90,6 +91,7 @@ class SamplingBatch:
             num_top_logprobs=max(p.top_logprobs for p in distinct),
             adjusts_logits=any(p.adjusts_logits for p in distinct),
             processed=processed[0] if any_processed else None,
+            logprob_ranks=any(p.logprob_ranks for p in distinct),
         )
 
 
@@ -99,6 +101,8 @@ class SampleResult:
     logprobs: torch.Tensor  # float32 [N]
     top_ids: torch.Tensor | None  # int64 [N, K]
     top_logprobs: torch.Tensor | None  # float32 [N, K]
+    # with SamplingBatch.logprob_ranks: tokens with a logprob >= the sampled one's (vLLM's rank), int64 [N]
+    ranks: torch.Tensor | None = None
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
@@ -126,7 +130,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
     top_ids = top_lp = None
     if sb.num_top_logprobs:
         top_lp, top_ids = _topk_lowest_id_first(logprobs, sb.num_top_logprobs)
-    return SampleResult(tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1), top_ids, top_lp)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=1) if sb.logprob_ranks else None  # one pass, only when asked
+    return SampleResult(tokens, chosen.squeeze(1), top_ids, top_lp, ranks)
 
 
 # Probability 1 in fixed point. A row's probabilities sum to 1 (up to float32 rounding), so its integer

@@ -15,7 +15,7 @@ batch. There is one compiled variant, every output always written: on an H100 a 
 the probabilities gave logprobs an ulp apart (its reductions ordered differently), which would have
 made a greedy row's logprobs depend on whether another row of its batch samples.
 
-The block weights are `sample_kernel._fixed` of the stored probabilities summed over the sampling
+The block weights are `sample_kernel.fixed_weight` of the stored probabilities summed over the sampling
 kernel's blocks (its BLOCK): with them that kernel skips its first pass over a row that it does not
 truncate.
 """
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.runner.sample_kernel import _fixed
+from rollout.runner.sample_kernel import fixed_weight
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _log_softmax_kernel(
         p = tl.where(offs < V, tl.exp(lp), 0.0)
         tl.store(probs_ptr + row * probs_stride + offs, p, mask=offs < WIDTH)
         # past the vocabulary (a block smaller than the padding) p is 0: no entry to set
-        sums = tl.where(tl.arange(0, NB) == start // BLOCK, tl.sum(_fixed(p), axis=0), sums)
+        sums = tl.where(tl.arange(0, NB) == start // BLOCK, tl.sum(fixed_weight(p), axis=0), sums)
     tl.store(sums_ptr + row * NB + tl.arange(0, NB), sums)
 
 

@@ -8,26 +8,41 @@ Bad input is a 400 naming the field; a full queue is a 503; the server keeps ser
 from __future__ import annotations
 
 import asyncio
-import base64
 import gc
 import json
-import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
-from rollout.async_front import AsyncFront, QueueFullError
+from rollout.fronts.async_front import AsyncFront
+from rollout.fronts.stream_deltas import join
 from rollout.outputs import CompletionOutput, RequestOutput
-from rollout.process import freeze_heap
+from rollout.process.child import freeze_heap
 from rollout.sampling import SamplingParams
+from rollout.serve import chat as C
+from rollout.serve import errors, inputs
 from rollout.serve import protocol as P
-from rollout.stream_deltas import join
+from rollout.serve import tensor_wire as wire
+from rollout.serve.bounds import Names, check_counts, check_tokens
+from rollout.serve.disconnect import ClientGone, unless_disconnected
+from rollout.serve.errors import ApiError
+from rollout.serve.guard import Guard, api_key_check
+from rollout.serve.policy import Policy
+
+OPENAI = Names()
+COMPLETIONS = Names(top_logprobs="logprobs")
+SGLANG = Names(
+    n="sampling_params.n",
+    max_tokens="sampling_params.max_new_tokens",
+    top_logprobs="top_logprobs_num",
+    prompts="input_ids",
+)
 
 
 def build_app(
@@ -36,9 +51,16 @@ def build_app(
     model_name: str,
     api_key: str | None = None,
     before_shutdown: Callable[[], None] | None = None,
+    parsers: C.ChatParsers | None = None,
+    policy: Policy | None = None,
 ) -> FastAPI:
     """The app over `engine`; it shuts the engine down when the server stops, after `before_shutdown`
-    (run in a thread: the other server processes over the engine stop first)."""
+    (run in a thread: the other server processes over the engine stop first). `parsers`: the
+    tool-call and reasoning parsers chat completions split their outputs with. `policy`: the Host
+    allow-list, body caps, per-request bounds and the pickle opt-in (rollout/serve/policy.py)."""
+    policy = policy or Policy()
+    if policy.allow_pickle and api_key is None:
+        raise ValueError(f"{wire.PICKLE_FLAG} needs an API key: unpickling runs the sender's code")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,47 +73,42 @@ def build_app(
         finally:
             gc.unfreeze()
 
-    app = FastAPI(lifespan=lifespan, title="rollout")
+    # with a key, the schema pages are off: they would list every control endpoint to anyone
+    pages = {} if api_key is None else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, title="rollout", **pages)
     app.state.engine = engine
-    _errors(app)
-    auth = [Depends(_auth(api_key))] if api_key is not None else []  # none: no per-request dependency
-    _openai(app, engine, model_name, auth)
-    _sglang(app, engine, model_name, auth)
+    app.state.policy = policy
+    app.add_middleware(Guard, hosts=policy.allowed_hosts, limits=policy.body_limits())
+    errors.install(app, alive=lambda: _alive(engine))
+
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left
+
+    auth = [Depends(api_key_check(api_key))] if api_key is not None else []  # none: no per-request work
+    _openai(app, engine, model_name, auth, parsers or C.ChatParsers(), policy)
+    _sglang(app, engine, model_name, auth, policy)
     return app
 
 
-# -- errors and auth ------------------------------------------------------------------------------
-def _errors(app: FastAPI) -> None:
-    def answer(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "code": status}, "message": message}, status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [
-            f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()
-        ]
-        return answer(400, "; ".join(parts))
-
-    @app.exception_handler(ValueError)
-    @app.exception_handler(TypeError)
-    async def bad_value(request: Request, exc: Exception) -> JSONResponse:
-        return answer(400, str(exc))
-
-    @app.exception_handler(QueueFullError)
-    async def full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return answer(503, str(exc))
+def _alive(engine: AsyncFront) -> bool:
+    return bool(getattr(engine, "alive", True))
 
 
-def _auth(api_key: str) -> Callable[[Request], Awaitable[None]]:
-    async def check(request: Request) -> None:
-        if request.headers.get("authorization") != f"Bearer {api_key}":
-            raise HTTPException(401, "missing or wrong API key (Authorization: Bearer KEY)")
-
-    return check
+def _check_model(model: str | None, model_name: str) -> None:
+    if model is not None and model != model_name:
+        raise ApiError(
+            404,
+            f"model {model!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------
-def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> None:
+def _openai(
+    app: FastAPI, engine: AsyncFront, model_name: str, auth: list, parsers: C.ChatParsers, policy: Policy
+) -> None:
     tok = engine.tokenizer
 
     @app.get("/v1/models", dependencies=auth)
@@ -100,13 +117,26 @@ def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
         return {"object": "list", "data": [card | {"max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=auth)
-    async def completions(req: P.CompletionRequest) -> Any:
-        params = _params(req, req.max_tokens, req.logprobs is not None, req.logprobs or 0)
-        prompts = _prompt_list(req.prompt)
+    async def completions(req: P.CompletionRequest, request: Request) -> Any:
+        _check_model(req.model, model_name)
+        raw, _ = inputs.token_lists(req.prompt, "prompt")
+        check_counts(policy.bounds, COMPLETIONS, n=req.n, top_logprobs=req.logprobs or 0, prompts=len(raw))
+        if req.best_of is not None:
+            check_counts(
+                policy.bounds, replace(OPENAI, n="best_of"), n=req.best_of, top_logprobs=0, prompts=1
+            )
+            if req.best_of != req.n:
+                raise ApiError(
+                    400, "best_of: only best_of == n is served (no ranking of extra samples)", param="best_of"
+                )
+        params = _params(req, req.max_tokens, req.logprobs is not None, req.logprobs or 0, _COMPLETION_NAMES)
+        ids = await inputs.ids_of(tok, raw, "prompt")
+        _check_tokens(policy, COMPLETIONS, ids, params, engine)
+        prompts = [{"input_ids": p} for p in ids]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(_stream_completion(engine, prompts, params, rid, model_name, req))
-        outs = await _gather(engine, prompts, params, rid)
+        outs = await unless_disconnected(request, _gather(engine, prompts, params, rid))
         choices, usage = [], _usage(outs)
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -118,26 +148,29 @@ def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
         return _body(rid, "text_completion", model_name, choices, usage)
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat(req: P.ChatRequest) -> Any:
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("messages: the model's tokenizer has no chat template; use /v1/completions")
-        ids = tok.apply_chat_template(
-            req.messages, tools=req.tools, add_generation_prompt=True, tokenize=True
+    async def chat(req: P.ChatRequest, request: Request) -> Any:
+        _check_model(req.model, model_name)
+        check_counts(policy.bounds, OPENAI, n=req.n, top_logprobs=req.top_logprobs, prompts=1)
+        names = _CHAT_NAMES | {"max_new_tokens": _chat_max_field(req)}
+        params = _params(req, _chat_max_tokens(req), req.logprobs, req.top_logprobs, names)
+        prompt, plan = await inputs.off_loop(
+            C.prepare, req, tok, parsers, chars=inputs.message_chars(req.messages)
         )
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        params = _params(
-            req, req.max_completion_tokens or req.max_tokens or 128, req.logprobs, req.top_logprobs
-        )
+        ids = prompt.token_ids
+        _check_tokens(policy, replace(OPENAI, max_tokens=names["max_new_tokens"]), [ids], params, engine)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(_stream_chat(engine, ids, params, rid, model_name, req))
-        out = await engine.generate(input_ids=ids, sampling_params=params, request_id=rid)
+            return _sse(_stream_chat(engine, ids, params, rid, model_name, req, plan))
+        out = await unless_disconnected(
+            request, engine.generate(input_ids=ids, sampling_params=params, request_id=rid)
+        )
         choices = []
         for c in out.outputs:
+            message, reason = C.message(plan, c)
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": _reason(c),
+                "message": message,
+                "finish_reason": reason,
                 "logprobs": {"content": _chat_logprobs(tok, c)} if req.logprobs else None,
             }
             if req.return_token_ids:
@@ -149,8 +182,33 @@ def _openai(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
         return body
 
 
-def _params(req: Any, max_tokens: int, logprobs: bool, top: int) -> SamplingParams:
-    return SamplingParams(
+# SamplingParams' field names as each API's client spelled them (errors name the client's field)
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs", "logprobs": "logprobs"}
+_CHAT_NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "top_logprobs", "logprobs": "logprobs"}
+_SGLANG_NAMES = {
+    "max_new_tokens": "sampling_params.max_new_tokens",
+    "top_logprobs": "top_logprobs_num",
+    "logprobs": "return_logprob",
+    "seed": "sampling_params.sampling_seed",
+}
+CHAT_DEFAULT_MAX_TOKENS = 128
+
+
+def _chat_max_tokens(req: P.ChatRequest) -> int:
+    """max_completion_tokens, else max_tokens, else the default: a 0 is the client's 0, not unset."""
+    for value in (req.max_completion_tokens, req.max_tokens):
+        if value is not None:
+            return value
+    return CHAT_DEFAULT_MAX_TOKENS
+
+
+def _chat_max_field(req: P.ChatRequest) -> str:
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
+def _params(req: Any, max_tokens: int, logprobs: bool, top: int, names: dict[str, str]) -> SamplingParams:
+    return _sampling(
+        names,
         n=req.n,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -166,15 +224,25 @@ def _params(req: Any, max_tokens: int, logprobs: bool, top: int) -> SamplingPara
     )
 
 
-def _prompt_list(prompt: Any) -> list[dict[str, Any]]:
-    """One {"prompts": text} or {"input_ids": ids} per prompt."""
-    if isinstance(prompt, str):
-        return [{"prompts": prompt}]
-    if not prompt:
-        raise ValueError("prompt: empty")
-    if isinstance(prompt[0], int):  # validated as one of the union's lists: one token list, all ints
-        return [{"input_ids": prompt}]
-    return [{"prompts": p} if isinstance(p, str) else {"input_ids": p} for p in prompt]
+def _sampling(names: dict[str, str], **fields: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as e:
+        raise errors.rename_fields(e, names) from None
+
+
+def _check_tokens(
+    policy: Policy, names: Names, ids: list[list[int]], params: SamplingParams, engine: AsyncFront
+) -> None:
+    lens = [len(p) for p in ids]
+    check_tokens(
+        policy.bounds,
+        names,
+        prompt_lens=lens,
+        n=params.n,
+        max_tokens=params.max_new_tokens,
+        max_model_len=engine.max_model_len,
+    )
 
 
 async def _gather(
@@ -211,13 +279,21 @@ def _piece(tok: Any, t: int) -> str:
     return tok.decode([t]) if tok is not None else str(t)
 
 
-def _completion_logprobs(tok: Any, c: CompletionOutput) -> dict:
+def _completion_logprobs(tok: Any, c: CompletionOutput, start: int = 0) -> dict:
+    """OpenAI's legacy logprobs; text_offset[i] is where token i's text starts in the completion
+    (from `start`: the characters streamed before this chunk)."""
     tops = c.top_logprobs or [{} for _ in c.token_ids]
+    pieces = [_piece(tok, t) for t in c.token_ids]
+    offsets, at = [], start
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
     return {
-        "tokens": [_piece(tok, t) for t in c.token_ids],
+        "tokens": pieces,
         "token_logprobs": list(c.logprobs or []),
         "top_logprobs": [{_piece(tok, t): lp for t, lp in top.items()} for top in tops],
-        "text_offset": [],
+        "text_offset": offsets,
+        "token_ids": list(c.token_ids),  # pieces can repeat or be empty; the ids say which token
     }
 
 
@@ -225,15 +301,25 @@ def _chat_logprobs(tok: Any, c: CompletionOutput) -> list[dict]:
     tops = c.top_logprobs or [{} for _ in c.token_ids]
     entries = []
     for t, lp, top in zip(c.token_ids, c.logprobs or [], tops):
-        alts = [{"token": _piece(tok, a), "logprob": v, "bytes": None} for a, v in top.items()]
-        entries.append({"token": _piece(tok, t), "logprob": lp, "bytes": None, "top_logprobs": alts})
+        alts = [{"token": _piece(tok, a), "token_id": a, "logprob": v, "bytes": None} for a, v in top.items()]
+        entries.append(
+            {"token": _piece(tok, t), "token_id": t, "logprob": lp, "bytes": None, "top_logprobs": alts}
+        )
     return entries
 
 
 def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events ending in [DONE]. An error after the first chunk (the status line is sent)
+    comes as one event in OpenAI's error shape, then [DONE]: a stream never ends cut off."""
+
     async def body() -> AsyncIterator[str]:
-        async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except Exception as e:
+            status = 503 if isinstance(e, RuntimeError) else getattr(e, "status", 400)
+            message = getattr(e, "message", str(e))
+            yield f"data: {json.dumps(errors.body(status, message, param=getattr(e, 'param', None)))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
@@ -244,13 +330,17 @@ async def _stream_completion(
 ) -> AsyncIterator[dict]:
     for i, p in enumerate(prompts):  # one prompt after the other: each streams as it is generated
         first = True
+        sent: dict[int, int] = {}  # characters sent per sample, for text_offset
         async for out in engine.stream(sampling_params=params, request_id=f"{rid}-{i}", **p):
             choices = []
             for c in out.outputs:
                 choice = {"index": i * params.n + c.index, "text": c.text, "finish_reason": _reason(c)}
                 choice["logprobs"] = (
-                    _completion_logprobs(engine.tokenizer, c) if req.logprobs is not None else None
+                    _completion_logprobs(engine.tokenizer, c, sent.get(c.index, 0))
+                    if req.logprobs is not None
+                    else None
                 )
+                sent[c.index] = sent.get(c.index, 0) + len(c.text)
                 if req.return_token_ids:  # the prompt's ids once, in the first chunk, as vLLM does
                     choice["token_ids"] = c.token_ids
                     if first:
@@ -261,26 +351,38 @@ async def _stream_completion(
 
 
 async def _stream_chat(
-    engine: AsyncFront, ids: list[int], params: SamplingParams, rid: str, model: str, req: Any
+    engine: AsyncFront,
+    ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    model: str,
+    req: Any,
+    plan: C.OutputPlan,
 ) -> AsyncIterator[dict]:
     first = True
-    async for out in engine.stream(input_ids=ids, sampling_params=params, request_id=rid):
+    outs = engine.stream(input_ids=ids, sampling_params=params, request_id=rid)
+    async for out, rows in C.deltas(plan, outs):
         choices = []
-        for c in out.outputs:
-            delta = {"content": c.text} | ({"role": "assistant"} if first else {})
-            choice = {"index": c.index, "delta": delta, "finish_reason": _reason(c)}
+        for c, delta, reason in rows:
+            if first:
+                delta = {"role": "assistant", "content": ""} | delta
+            choice = {"index": c.index, "delta": delta, "finish_reason": reason}
             choice["logprobs"] = {"content": _chat_logprobs(engine.tokenizer, c)} if req.logprobs else None
-            if req.return_token_ids:
+            if req.return_token_ids:  # the prompt's ids once, in the first chunk, as vLLM does
                 choice["token_ids"] = c.token_ids
+                if first:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
             choices.append(choice)
         first = False
         yield _body(rid, "chat.completion.chunk", model, choices, None)
 
 
 # -- SGLang ---------------------------------------------------------------------------------------
-def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> None:
+def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list, policy: Policy) -> None:
     @app.get("/health")
     async def health() -> dict:
+        if not _alive(engine):
+            raise errors.EngineUnavailable("the engine process is gone", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/health_generate", dependencies=auth)
@@ -305,25 +407,28 @@ def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
         return {"weight_version": str(await asyncio.to_thread(lambda: engine.weight_version))}
 
     @app.post("/generate", dependencies=auth)
-    async def generate(req: P.GenerateRequest) -> Any:
-        prompts, batched = _generate_inputs(req)
+    async def generate(req: P.GenerateRequest, request: Request) -> Any:
+        field = "text" if req.text is not None else "input_ids"
+        raw, batched = _generate_inputs(req)
         sp = req.sampling_params
-        params = SamplingParams(
+        names = replace(SGLANG, prompts=field)
+        check_counts(policy.bounds, names, n=sp.n, top_logprobs=req.top_logprobs_num, prompts=len(raw))
+        params = _sampling(
+            _SGLANG_NAMES,
             **sp.model_dump(exclude={"seed"}),
             seed=sp.seed,
             logprobs=req.return_logprob,
             top_logprobs=req.top_logprobs_num,
         )
-        rids = _rids(req.rid, len(prompts))
+        rids = _rids(req.rid, len(raw))
+        ids = await inputs.ids_of(engine.tokenizer, raw, field)
+        _check_tokens(policy, names, ids, params, engine)
+        prompts = [{"input_ids": p} for p in ids]
         if req.stream:
             if batched:
                 raise ValueError("stream: streams one prompt at a time; send a batch without stream")
             return _sse(_stream_generate(engine, prompts[0], params, rids[0], req.return_logprob))
-        calls = [engine.generate(sampling_params=params, request_id=r, **p) for r, p in zip(rids, prompts)]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        results = await unless_disconnected(request, _gather_rids(engine, prompts, params, rids))
         items = [_sglang_item(o, c, req.return_logprob, o.request_id) for o in results for c in o.outputs]
         return items if batched or params.n > 1 else items[0]
 
@@ -396,11 +501,7 @@ def _sglang(app: FastAPI, engine: AsyncFront, model_name: str, auth: list) -> No
         app,
         "/update_weights_from_tensor",
         P.TensorUpdateRequest,
-        lambda r: engine.update_weights_from_tensor(
-            _unpickle(r.serialized_named_tensors, engine.tp_rank),
-            r.load_format,
-            abort=r.abort_all_requests,
-        ),
+        lambda r: _update_from_tensor(engine, r, policy.allow_pickle),
         auth,
     )
 
@@ -429,30 +530,37 @@ def _control(app: FastAPI, path: str, model: Any, call: Callable[[Any], Awaitabl
     app.post(path, dependencies=auth)(endpoint)
 
 
-def _unpickle(serialized: list[str], rank: int) -> Any:
-    """This rank's (name, tensor) list. Unpickling runs code chosen by the sender: the endpoint trusts
-    whoever can reach it (same host, same user; keep the server on 127.0.0.1 or behind --api-key)."""
-    if not 0 <= rank < len(serialized):
-        raise ValueError(f"serialized_named_tensors: {len(serialized)} entries, none for TP rank {rank}")
-    try:
-        return pickle.loads(base64.b64decode(serialized[rank]))
-    except Exception as e:
-        raise ValueError(f"serialized_named_tensors: cannot decode entry {rank}: {e}") from e
-
-
-def _generate_inputs(req: P.GenerateRequest) -> tuple[list[dict], bool]:
-    if (req.text is None) == (req.input_ids is None):
-        raise ValueError("text, input_ids: pass exactly one")
-    if req.text is not None:
-        return (
-            ([{"prompts": req.text}], False)
-            if isinstance(req.text, str)
-            else ([{"prompts": t} for t in req.text], True)
+async def _update_from_tensor(engine: AsyncFront, r: P.TensorUpdateRequest, allow_pickle: bool) -> Any:
+    """This rank's entry decoded by its format (never unpickled unless the operator opted in), off
+    the event loop: a large payload takes a while to parse."""
+    rank = engine.tp_rank
+    if not 0 <= rank < len(r.serialized_named_tensors):
+        raise ValueError(
+            f"serialized_named_tensors: {len(r.serialized_named_tensors)} entries, none for TP rank {rank}"
         )
-    ids = req.input_ids
-    if ids and isinstance(ids[0], int):  # validated: one token list, all ints
-        return [{"input_ids": ids}], False
-    return [{"input_ids": p} for p in ids], True
+    entry = r.serialized_named_tensors[rank]
+    named = await asyncio.to_thread(wire.decode, entry, r.format, allow_pickle=allow_pickle)
+    return await engine.update_weights_from_tensor(named, r.load_format, abort=r.abort_all_requests)
+
+
+def _generate_inputs(req: P.GenerateRequest) -> tuple[list[Any], bool]:
+    """The prompts (texts or id lists) and whether it was a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError(400, "text, input_ids: pass exactly one", param="input_ids")
+    if req.text is not None:
+        return inputs.token_lists(req.text, "text")
+    return inputs.token_lists(req.input_ids, "input_ids")
+
+
+async def _gather_rids(
+    engine: AsyncFront, prompts: list[dict], params: SamplingParams, rids: list[str]
+) -> list[RequestOutput]:
+    calls = [engine.generate(sampling_params=params, request_id=r, **p) for r, p in zip(rids, prompts)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)
 
 
 def _rids(rid: str | list[str] | None, count: int) -> list[str]:

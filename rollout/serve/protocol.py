@@ -1,5 +1,7 @@
 """The request bodies the server accepts: pydantic models that refuse unknown fields, so a typo gets a
-400 naming the field instead of being ignored."""
+400 naming the field instead of being ignored, and coerce nothing (strict): "4" is not an int, "no" is
+not a bool, and true, 5.0 or "5" are not token ids, as the native engine refuses them too. An int is
+still a float."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ TokenIds = list[int]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CompletionRequest(Strict):
     model: str | None = None
     prompt: str | list[str] | TokenIds | list[TokenIds]
     n: int = 1
+    best_of: int | None = None  # only best_of == n (no ranking of extra samples)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -38,8 +41,12 @@ class CompletionRequest(Strict):
 class ChatRequest(Strict):
     model: str | None = None
     messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # checked by rollout.chat.tools, which names the wrong field
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a token-exact continuation: turn k's prompt ids (with token_ids on the last assistant message)
+    prompt_token_ids: TokenIds | None = None
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,7 +79,7 @@ class SGLangSamplingParams(Strict):
     n: int = 1
     seed: int | None = Field(default=None, alias="sampling_seed")
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
 class GenerateRequest(Strict):
@@ -131,8 +138,10 @@ class DiskUpdateRequest(Strict):
 
 
 class TensorUpdateRequest(Strict):
-    # base64 of a pickled list of (name, tensor), one entry per tensor-parallel rank
+    # one entry per tensor-parallel rank, in `format` (rollout/serve/tensor_wire.py); None: safetensors,
+    # or a pickle (SGLang's payload), which is refused unless the server was started to allow it
     serialized_named_tensors: list[str]
+    format: Literal["safetensors", "cuda_ipc", "pickle"] | None = None
     load_format: str | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False

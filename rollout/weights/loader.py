@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -22,6 +22,7 @@ from rollout.layers.linear import deferred_params
 from rollout.weights.bucket import parse_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
+BIN_FILE, BIN_INDEX_FILE = "pytorch_model.bin", "pytorch_model.bin.index.json"
 # Parameters start on multiples of this in the weight storage (kernels specialise on 16-byte aligned
 # pointers); parameter sizes are multiples of it in practice, so the storage is gap-free and a bucket
 # in storage order is a single run of bytes.
@@ -157,6 +158,92 @@ def resolve_all(
     return targets
 
 
+# -- one update's plan: validated once, then copies (plan.py caches them per signature) ------------
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FiniteGroup:
+    """Update positions whose tensors share a device and dtype, and the dtype they are loaded as."""
+
+    positions: tuple[int, ...]
+    dst_dtype: torch.dtype
+
+
+@dataclass
+class TensorPlan:
+    """How to load a list of tensors of one signature: `whole[i]` is copied into `dsts[i]` as it is;
+    `partial` entries (a tensor-parallel slice, a padded vocabulary) ask their target per update."""
+
+    names: list[str]  # the loaded HF names (entries the model ignores are not in it)
+    positions: list[int]  # their positions in the update
+    whole: list[int]  # update positions copied whole
+    dsts: list[torch.Tensor]  # engine storage views, one per `whole` entry
+    partial: list[tuple[int, WeightTarget]]
+    finite: list[FiniteGroup]
+
+    @classmethod
+    def build(cls, model: nn.Module, named: Named) -> TensorPlan:
+        """Validate every (name, tensor) as load_tensors does; raises with nothing written."""
+        for name, t in named:
+            check_tensor(name, t)
+        targets = resolve_all(model, ((n, t.shape, t.dtype) for n, t in named))
+        names, positions, whole, dsts, partial = [], [], [], [], []
+        groups: dict[tuple, list[int]] = {}
+        for i, (target, (_, t)) in enumerate(zip(targets, named)):
+            if target is None:
+                continue
+            names.append(target.name)
+            positions.append(i)
+            pair = target.copy_pair(t)
+            if pair is not None and _is_whole(pair[1], t):
+                whole.append(i)
+                dsts.append(pair[0])
+            else:
+                partial.append((i, target))
+            if t.numel() and t.is_floating_point():  # integers are always finite
+                groups.setdefault((t.device, t.dtype, target.dtype), []).append(i)
+        finite = [FiniteGroup(tuple(idx), key[2]) for key, idx in groups.items()]
+        return cls(names, positions, whole, dsts, partial, finite)
+
+    def run(self, tensors: Sequence[torch.Tensor], check_finite: bool = True) -> int:
+        """Load `tensors` (in update order, of this plan's signature). Returns how many were loaded."""
+        if check_finite:
+            self.check_finite(tensors)
+        dsts, srcs = list(self.dsts), [tensors[i] for i in self.whole]
+        for i, target in self.partial:
+            pair = target.copy_pair(tensors[i])
+            if pair is None:
+                target.load(tensors[i])
+            else:
+                dsts.append(pair[0])
+                srcs.append(pair[1])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return len(self.names)
+
+    def check_finite(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Refuse values that are, or would load as, NaN or inf: the max-abs of each tensor (batched per
+        group, max_abs), cast to the destination dtype. Casting rounds monotonically,
+        so the largest magnitude overflows the destination exactly when some element does."""
+        for group in self.finite:  # one group (and one host sync) unless devices or dtypes differ
+            norms = max_abs([reducible(tensors[i]) for i in group.positions])
+            if not bool(torch.isfinite(norms.to(group.dst_dtype)).all()):
+                self._refuse(tensors)
+
+    def _refuse(self, tensors: Sequence[torch.Tensor]) -> None:
+        """The per-tensor check, which names the culprits."""
+        name_at = dict(zip(self.positions, self.names))
+        entries = [(i, g.dst_dtype) for g in self.finite for i in g.positions]
+        refuse_nonfinite([(name_at[i], tensors[i]) for i, _ in entries], [d for _, d in entries])
+        raise AssertionError("the batched finite check and the per-tensor one disagree")
+
+
+def _is_whole(src: torch.Tensor, full: torch.Tensor) -> bool:
+    """Whether `src` is `full` itself (a narrow that kept everything)."""
+    return src.data_ptr() == full.data_ptr() and src.shape == full.shape and src.stride() == full.stride()
+
+
 @torch.no_grad()
 def load_tensors(
     model: nn.Module, named: list[tuple[str, torch.Tensor]], *, check_finite: bool = True
@@ -164,8 +251,6 @@ def load_tensors(
     """Validate every (name, tensor), then load them all. Returns how many were loaded.
     `check_finite`: refuse a set holding NaN or inf (on by default; one batched reduction).
     The WeightManager caches the plan per signature; this builds it afresh."""
-    from rollout.weights.plan import TensorPlan  # plan.py builds on this module's checks
-
     return TensorPlan.build(model, named).run([t for _, t in named], check_finite)
 
 
@@ -213,6 +298,41 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors when the folder has them, else pytorch_model.bin
+    (one file, or the shards its index names), read by `read_bin`."""
+    path = Path(path)
+    if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
+        return safetensors_files(path)
+    if (path / BIN_INDEX_FILE).exists():
+        return [path / f for f in sorted(set(_weight_map(path / BIN_INDEX_FILE).values()))]
+    if (path / BIN_FILE).exists():
+        return [path / BIN_FILE]
+    raise ValueError(f"model: no *.safetensors or {BIN_FILE} weights in {str(path)!r}")
+
+
+def read_bin(f: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin state dict, unpickled with torch.load(weights_only=True): tensors and plain
+    containers only, so a checkpoint cannot run code when it loads (memory-mapped where the file's
+    format allows)."""
+    import pickle
+
+    try:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # the legacy (pre-zip) format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
+        raise ValueError(
+            f"checkpoint file {str(f)!r} is not a readable weights-only torch file: {e}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"checkpoint file {str(f)!r} does not hold a state dict of tensors")
+    return state
+
+
 def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map, each file name checked to be a plain relative path inside the folder."""
     try:
@@ -238,9 +358,13 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 def checkpoint_specs(files: list[Path]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every tensor, read from the headers alone (safetensors checks there that
-    the data covers the file, so a truncated file fails here, before any write)."""
+    the data covers the file, so a truncated file fails here, before any write); a .bin file has no
+    header apart from its data, so it is unpickled (memory-mapped: the bytes are read on the copy)."""
     specs = []
     for f in files:
+        if f.suffix == ".bin":
+            specs += [(name, tuple(t.shape), t.dtype) for name, t in read_bin(f).items()]
+            continue
         with _open(f) as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)
@@ -263,6 +387,9 @@ def iter_checkpoint(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor, or of those in `only` (the others are never read)."""
     for f in files:
+        if f.suffix == ".bin":
+            yield from ((n, t.to(device)) for n, t in read_bin(f).items() if only is None or n in only)
+            continue
         with _open(f, device) as sf:
             for name in sf.keys():
                 if only is None or name in only:
@@ -283,7 +410,7 @@ def load_checkpoint(
     `keep(name)` selects the tensors to load (a partial update); every header is still validated.
     `check_finite` reads the tensors once more before the first write, to refuse NaN or inf; for a
     `fresh` model (no weights yet to keep intact) the check runs on the loaded weights instead."""
-    files = safetensors_files(path)
+    files = weight_files(path)
     targets = {t.name: t for t in resolve_all(model, checkpoint_specs(files)) if t is not None}
     if keep is not None:
         targets = {n: t for n, t in targets.items() if keep(n)}

@@ -21,19 +21,19 @@ import torch
 
 from rollout.distributed import TPGroup
 from rollout.models.config import ModelConfig
-from rollout.weights import broadcast, checksum
+from rollout.weights import broadcast, checksum, direct
 from rollout.weights.bucket import as_bucket
 from rollout.weights.loader import (
     WeightTarget,
     checkpoint_specs,
     load_checkpoint,
-    safetensors_files,
+    weight_files,
 )
 from rollout.weights.plan import PlanCache, Prepared
 
 log = logging.getLogger("rollout")
 
-LOAD_FORMATS = (None, "flattened_bucket")
+LOAD_FORMATS = (None, "flattened_bucket", "direct")
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -45,6 +45,7 @@ class WeightManager:
         self._groups: dict[str, broadcast.UpdateGroup] = {}
         self.plans = PlanCache(model)
         self._order: list[str] | None = None  # storage_order(): the storage never moves
+        self._said_reloaded = False  # the "all weights loaded" line was logged once
 
     # -- validity ---------------------------------------------------------------------------------
     def discard(self) -> None:
@@ -70,7 +71,11 @@ class WeightManager:
         else:
             self._missing.difference_update(names)
         if not self._missing:
-            log.info("all weights loaded since they were discarded: the engine can generate again")
+            # once per engine: a colocated trainer discards and reloads every step, and a line per step
+            # says nothing new (and breaks its progress bar)
+            level = logging.DEBUG if self._said_reloaded else logging.INFO
+            log.log(level, "all weights loaded since they were discarded: the engine can generate again")
+            self._said_reloaded = True
 
     # -- what arrives -----------------------------------------------------------------------------
     def unpack(self, named_tensors: Any, load_format: str | None) -> Prepared:
@@ -114,6 +119,20 @@ class WeightManager:
         count = update.load()
         self._loaded(update.names)
         return count
+
+    def load_direct(self, named: Named) -> int:
+        """Tensors named as the engine stores them (weights/direct.py); all or nothing."""
+        named = _as_named_list(named)
+        count = direct.load_direct(self.model, named)
+        self._loaded(direct.hf_names_written(self.model, [n for n, _ in named]))
+        return count
+
+    def load_custom(self, loader: Callable[[torch.nn.Module, list], Any], named: Named) -> None:
+        """Run a caller's loader over the model (SGLang's custom_weight_loader); what it writes is the
+        caller's to validate."""
+        named = _as_named_list(named)
+        direct.load_custom(self.model, loader, named)
+        self._loaded(direct.hf_names_written(self.model, [n for n, _ in named if isinstance(n, str)]))
 
     def storage_order(self) -> list[str]:
         """The HF names in the order their bytes lie in the engine's weight storage: a bucket packed in
@@ -245,7 +264,7 @@ def _name_filter(weight_name_filter: Any, path: Path) -> Callable[[str], bool] |
     names = set(weight_name_filter)
     if not all(isinstance(n, str) for n in names):
         raise TypeError("weight_name_filter: every entry must be a str weight name")
-    present = {n for n, _, _ in checkpoint_specs(safetensors_files(path))}
+    present = {n for n, _, _ in checkpoint_specs(weight_files(path))}
     absent = sorted(names - present)
     if absent:
         raise ValueError(f"weight_name_filter: {absent[:3]} not in the checkpoint {str(path)!r}")
@@ -254,7 +273,7 @@ def _name_filter(weight_name_filter: Any, path: Path) -> Callable[[str], bool] |
 
 def _check_format(load_format: str | None) -> None:
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+        raise ValueError(f"load_format must be None, 'flattened_bucket' or 'direct', got {load_format!r}")
 
 
 def _as_named_list(named_tensors: Any) -> Named:

@@ -14,106 +14,16 @@ nothing and is refused again next time, with the same message.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rollout.weights.bucket import FlattenedBucket, TensorMeta, validate, view
-from rollout.weights.loader import (
-    WeightTarget,
-    check_tensor,
-    max_abs,
-    reducible,
-    refuse_nonfinite,
-    resolve_all,
-)
+from rollout.weights.loader import Named, TensorPlan, max_abs, reducible
 
 MAX_PLANS = 64  # one per bucket of a sync (a 7B model in 128 MB buckets has about 120)
-Named = Sequence[tuple[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class FiniteGroup:
-    """Update positions whose tensors share a device and dtype, and the dtype they are loaded as."""
-
-    positions: tuple[int, ...]
-    dst_dtype: torch.dtype
-
-
-@dataclass
-class TensorPlan:
-    """How to load a list of tensors of one signature: `whole[i]` is copied into `dsts[i]` as it is;
-    `partial` entries (a tensor-parallel slice, a padded vocabulary) ask their target per update."""
-
-    names: list[str]  # the loaded HF names (entries the model ignores are not in it)
-    positions: list[int]  # their positions in the update
-    whole: list[int]  # update positions copied whole
-    dsts: list[torch.Tensor]  # engine storage views, one per `whole` entry
-    partial: list[tuple[int, WeightTarget]]
-    finite: list[FiniteGroup]
-
-    @classmethod
-    def build(cls, model: nn.Module, named: Named) -> TensorPlan:
-        """Validate every (name, tensor) as loader.load_tensors does; raises with nothing written."""
-        for name, t in named:
-            check_tensor(name, t)
-        targets = resolve_all(model, ((n, t.shape, t.dtype) for n, t in named))
-        names, positions, whole, dsts, partial = [], [], [], [], []
-        groups: dict[tuple, list[int]] = {}
-        for i, (target, (_, t)) in enumerate(zip(targets, named)):
-            if target is None:
-                continue
-            names.append(target.name)
-            positions.append(i)
-            pair = target.copy_pair(t)
-            if pair is not None and _is_whole(pair[1], t):
-                whole.append(i)
-                dsts.append(pair[0])
-            else:
-                partial.append((i, target))
-            if t.numel() and t.is_floating_point():  # integers are always finite
-                groups.setdefault((t.device, t.dtype, target.dtype), []).append(i)
-        finite = [FiniteGroup(tuple(idx), key[2]) for key, idx in groups.items()]
-        return cls(names, positions, whole, dsts, partial, finite)
-
-    def run(self, tensors: Sequence[torch.Tensor], check_finite: bool = True) -> int:
-        """Load `tensors` (in update order, of this plan's signature). Returns how many were loaded."""
-        if check_finite:
-            self.check_finite(tensors)
-        dsts, srcs = list(self.dsts), [tensors[i] for i in self.whole]
-        for i, target in self.partial:
-            pair = target.copy_pair(tensors[i])
-            if pair is None:
-                target.load(tensors[i])
-            else:
-                dsts.append(pair[0])
-                srcs.append(pair[1])
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return len(self.names)
-
-    def check_finite(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Refuse values that are, or would load as, NaN or inf: the max-abs of each tensor (batched per
-        group, loader.max_abs), cast to the destination dtype. Casting rounds monotonically,
-        so the largest magnitude overflows the destination exactly when some element does."""
-        for group in self.finite:  # one group (and one host sync) unless devices or dtypes differ
-            norms = max_abs([reducible(tensors[i]) for i in group.positions])
-            if not bool(torch.isfinite(norms.to(group.dst_dtype)).all()):
-                self._refuse(tensors)
-
-    def _refuse(self, tensors: Sequence[torch.Tensor]) -> None:
-        """The per-tensor check, which names the culprits."""
-        name_at = dict(zip(self.positions, self.names))
-        entries = [(i, g.dst_dtype) for g in self.finite for i in g.positions]
-        refuse_nonfinite([(name_at[i], tensors[i]) for i, _ in entries], [d for _, d in entries])
-        raise AssertionError("the batched finite check and the per-tensor one disagree")
-
-
-def _is_whole(src: torch.Tensor, full: torch.Tensor) -> bool:
-    """Whether `src` is `full` itself (a narrow that kept everything)."""
-    return src.data_ptr() == full.data_ptr() and src.shape == full.shape and src.stride() == full.stride()
 
 
 @dataclass(frozen=True)

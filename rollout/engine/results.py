@@ -1,0 +1,111 @@
+"""Requests to RequestOutputs: whole outputs when a request finishes, deltas for streamed requests; and
+TokenDeltas, the text-free deltas a caller reads at its own pace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.engine.detok import IncrementalText
+from rollout.outputs import CompletionOutput, RequestOutput, TokenDelta
+from rollout.state.sequence import Request, Sequence
+
+
+def request_output(req: Request, tokenizer: Any) -> RequestOutput:
+    """The output `step` reports for a request that gained tokens: a delta when streamed, else whole."""
+    make = _delta if req.stream else _whole
+    return RequestOutput(
+        prompt_token_ids=list(req.prompt_ids),
+        outputs=[make(seq, tokenizer) for seq in req.seqs],
+        prompt=req.prompt,
+        request_id=req.request_id,
+        finished=req.finished,
+        **_prompt_logprobs(req),
+    )
+
+
+def _prompt_logprobs(req: Request) -> dict:
+    """The prompt's logprobs, computed by the first sample's prefill, once it is complete."""
+    want, lead = req.params.prompt_logprobs, req.seqs[0]
+    if want is None or len(lead.prompt_logprobs) < len(req.prompt_ids) - 1:
+        return {}
+    return {
+        "prompt_logprobs": list(lead.prompt_logprobs),
+        "prompt_top_logprobs": list(lead.prompt_top_logprobs) if want else None,
+    }
+
+
+def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
+    p = seq.params
+    return CompletionOutput(
+        index=seq.sample,
+        token_ids=seq.output_ids,
+        text=_final_text(seq, tokenizer),
+        logprobs=list(seq.logprobs) if p.logprobs else None,
+        top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        weight_versions=list(seq.weight_versions),
+        logprob_ranks=list(seq.logprob_ranks) if p.logprob_ranks else None,
+    )
+
+
+def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
+    p, start = seq.params, seq.num_emitted
+    end = seq.num_output
+    text = ""
+    if tokenizer is not None:
+        if seq.detok is None:
+            seq.detok = IncrementalText(tokenizer, p.skip_special_tokens)
+        seq.detok.update(seq.output_ids)
+        if seq.finish_reason:
+            shown = _final_text(seq, tokenizer)
+        else:
+            text = seq.detok.text
+            shown = text[: max(seq.num_emitted_chars, len(text) - p.stream_holdback)]
+        text = shown[seq.num_emitted_chars :]
+        seq.num_emitted_chars = len(shown)
+    seq.num_emitted = end
+    return CompletionOutput(
+        index=seq.sample,
+        token_ids=seq.token_ids[seq.num_prompt + start : seq.num_prompt + end],
+        text=text,
+        logprobs=seq.logprobs[start:end] if p.logprobs else None,
+        top_logprobs=seq.top_logprobs[start:end] if p.top_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        weight_versions=seq.weight_versions[start:end],
+        logprob_ranks=seq.logprob_ranks[start:end] if p.logprob_ranks else None,
+    )
+
+
+def _final_text(seq: Sequence, tokenizer: Any) -> str:
+    if isinstance(seq.stop_reason, str):  # a stop string already cut the text
+        return seq.text
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+
+def token_deltas(req: Request, sent: list[int]) -> list[TokenDelta]:
+    """The tokens each sample of `req` gained past `sent[sample]` output tokens, with no text."""
+    deltas = []
+    for seq in req.seqs:
+        # with overlap_schedule the last token may be a placeholder of the step in flight: not yet
+        start, end = sent[seq.sample], seq.num_output - seq.pending
+        if end <= start:
+            continue
+        p, at = seq.params, seq.num_prompt
+        deltas.append(
+            TokenDelta(
+                req.request_id,
+                seq.sample,
+                seq.token_ids[at + start : at + end],
+                seq.logprobs[start:end] if p.logprobs else None,
+                seq.top_logprobs[start:end] if p.top_logprobs else None,
+                seq.weight_versions[start:end],
+                seq.finish_reason,
+                seq.stop_reason,
+                seq.text if isinstance(seq.stop_reason, str) else None,
+            )
+        )
+    return deltas
