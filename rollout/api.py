@@ -33,6 +33,8 @@ ENGINE_METHODS = (
     "update_weights_from_disk",
     "get_weights_by_name",
     "weights_checksum",
+    "stored_weights",
+    "update_weights_with_loader",
     "flush_cache",
     # LoRA adapters
     "load_lora_adapter",

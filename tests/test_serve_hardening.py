@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 KEY = "k3y-for-tests"
 # the toy template, refusing a role as real templates do (jinja2's raise_exception)
 STRICT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
     "{% endfor %}" + CHAT_TEMPLATE
 )
 
@@ -157,7 +157,7 @@ def test_pickle_opt_in_without_a_key_is_a_usage_error(model_dir):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_safetensors_update_over_http_changes_the_weights_and_bad_bytes_are_400(oc, model_dir):
+def test_safetensors_update_over_http_changes_the_weights_and_bad_bytes_are_400(oc, open_server, model_dir):
     from safetensors.torch import load_file
 
     norm = load_file(os.path.join(model_dir, "model.safetensors"))["model.norm.weight"]
@@ -169,11 +169,9 @@ def test_safetensors_update_over_http_changes_the_weights_and_bad_bytes_are_400(
     assert r.status_code == 200 and r.json()["success"], r.text
     assert oc.get("/get_weight_version").json()["weight_version"] != version
     assert oc.post("/generate", json=greedy).json()["output_ids"] == [0] * 6  # all logits 0: token 0
-    r = oc.post(
-        "/update_weights_from_tensor",
-        json={"serialized_named_tensors": [encode_safetensors([("model.norm.weight", norm)])]},
-    )
-    assert r.json()["success"]
+    from integrations.http_weights import post_weights
+
+    assert post_weights(open_server.url, [("model.norm.weight", norm)]).startswith("ok")  # the trainer's way
     assert oc.post("/generate", json=greedy).json()["output_ids"] == before
     for junk in ("bm90IHNhZmV0ZW5zb3Jz", "%%%"):
         _error(oc.post("/update_weights_from_tensor", json={"serialized_named_tensors": [junk]}), 400)
@@ -370,9 +368,9 @@ def test_inputs_are_strict_and_errors_name_the_clients_field(oc):
 
 
 def test_a_template_that_refuses_the_messages_is_400(kc):
-    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}]
     e = _error(kc.post("/v1/chat/completions", json={"messages": msgs}), 400, "messages")
-    assert "no tool role" in e["message"]
+    assert "no system role" in e["message"]
     r = kc.post("/v1/chat/completions", json={"messages": msgs[:1], "max_tokens": 2})
     assert r.status_code == 200, r.text
 
@@ -392,3 +390,25 @@ def test_the_toy_model_chats_and_text_offset_is_filled(oc):
     lp = r.choices[0].logprobs
     assert len(lp.text_offset) == 5 and lp.text_offset[0] == 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_ipc_update_over_http_changes_the_weights(model_dir, tmp_path):
+    """format="cuda_ipc": the trainer's CUDA tensors cross as handle fields in JSON (no pickle, no copy
+    through the host) and the served weights change; then the original ones go back the same way."""
+    from safetensors.torch import load_file
+
+    from integrations.http_weights import post_weights
+
+    s = ServeProcess(model_dir, "--device", "cuda", "--no-cuda-graph", log=tmp_path / "gpu.log")
+    try:
+        norm = load_file(os.path.join(model_dir, "model.safetensors"))["model.norm.weight"].cuda()
+        greedy = {"input_ids": [5, 6, 7], "sampling_params": SP | {"max_new_tokens": 6}}
+        before = httpx.post(s.url + "/generate", json=greedy, timeout=120).json()["output_ids"]
+        zero = torch.zeros_like(norm)
+        post_weights(s.url, [("model.norm.weight", zero)], format="cuda_ipc")
+        assert httpx.post(s.url + "/generate", json=greedy, timeout=120).json()["output_ids"] == [0] * 6
+        post_weights(s.url, [("model.norm.weight", norm)], format="cuda_ipc")
+        assert httpx.post(s.url + "/generate", json=greedy, timeout=120).json()["output_ids"] == before
+    finally:
+        assert s.stop() == 0, s.log()

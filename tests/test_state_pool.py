@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rollout.cache.pages import PageManager
-from rollout.cache.state import SlotTable, Snapshots, StatePool, snapshot_point
+from rollout.cache.state import StatePool
+from rollout.runner.state_slots import SlotTable, Snapshots, snapshot_point
 from rollout.sampling import SamplingParams
 from rollout.state.sequence import Sequence, Status
 

@@ -15,7 +15,7 @@ import importlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,6 +30,7 @@ from rollout.compat.serialize import (
     deserialize_tensors,
     serialize_tensors,
 )
+from rollout.engine.driver import StepDriver
 from rollout.engine.engine import Engine as CoreEngine
 from rollout.memory import TAGS
 from rollout.outputs import CompletionOutput, RequestOutput
@@ -265,13 +266,7 @@ class Engine:
         """Step the engine until one of `rids` has outputs and return theirs; other streams' outputs
         wait in their inboxes. Empty when the engine has nothing left to run."""
         with self._step_lock:
-            while not any(self._inbox[r] for r in rids):
-                outs = self.engine.step()
-                for out in outs:
-                    if out.request_id in self._inbox:
-                        self._inbox[out.request_id].append(out)
-                if not outs and not self.engine.has_unfinished():
-                    return []
+            StepDriver(self.engine, _Inboxes(self._inbox, rids)).run()
             ready = [out for r in rids for out in self._inbox[r]]
             for r in rids:
                 self._inbox[r] = []
@@ -728,3 +723,24 @@ def _for_rank(payloads: list, rank: int) -> bytes | str:
     if rank >= len(payloads):
         raise ValueError(f"{len(payloads)} serialized payloads, none for TP rank {rank} (one per rank)")
     return payloads[rank]
+
+
+class _Inboxes:
+    """`_step_for`'s front of the step driver: steps until one of `rids` has outputs (or nothing is left
+    to run); every stream's outputs go to its inbox."""
+
+    def __init__(self, inbox: dict[str, list[RequestOutput]], rids: set[str]):
+        self.inbox, self.rids = inbox, rids
+
+    def poll(self, block: bool) -> bool | None:
+        if block or any(self.inbox[r] for r in self.rids):
+            return None  # outputs for the caller, or nothing left to run
+        return False
+
+    def deliver(self, items: list[tuple[Any, RequestOutput]]) -> None:
+        for _, out in items:
+            if out.request_id in self.inbox:
+                self.inbox[out.request_id].append(out)
+
+    def failed(self, error: Exception, ended: list[tuple[Hashable, Any]]) -> None:
+        raise error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -127,3 +128,68 @@ def _ids_hint(prompts: Any) -> str:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_inputs(
+    prompts: Any,
+    input_ids: Any,
+    sampling_params: Any,
+    add_special_tokens: bool | None,
+    *,
+    tokenizer: Any,
+    vocab_size: int,
+    max_model_len: int,
+    pool_tokens: int,
+    lora: Any,
+) -> tuple[list[list[int]], list[str] | None, list[SamplingParams]]:
+    """A generate call's prompts as token lists (and texts), and one checked SamplingParams each."""
+    token_lists, texts = normalize_prompts(prompts, input_ids, tokenizer, add_special_tokens)
+    check_prompts(token_lists, vocab_size)
+    params = normalize_params(sampling_params, len(token_lists))
+    check_params(params, vocab_size)
+    check_lora_names(params, lora)
+    check_lengths(token_lists, params, max_model_len, pool_tokens)
+    if tokenizer is None and any(p.stop_strings for p in params):
+        raise ValueError("SamplingParams.stop needs a tokenizer, and the checkpoint has none")
+    return token_lists, texts, params
+
+
+def check_lora_names(params: list[SamplingParams], lora: Any) -> None:
+    """Each lora_name names a loaded adapter (`lora`: the LoraManager, None when LoRA is off)."""
+    for p in params:
+        if p.lora_name is not None and lora is None:
+            raise ValueError(
+                f"SamplingParams.lora_name={p.lora_name!r}: LoRA is off "
+                "(start the engine with max_loras >= 1)"
+            )
+        if lora is not None:
+            lora.check_name(p.lora_name)
+
+
+def is_encoding(obj: Any) -> bool:
+    """A tokenizer's BatchEncoding (or a plain dict shaped like one)."""
+    return isinstance(obj, Mapping) and "input_ids" in obj
+
+
+def encoding_ids(enc: Mapping) -> list[list[int]]:
+    """A BatchEncoding's token lists, padding dropped by its attention_mask."""
+    ids = enc["input_ids"]
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]  # one unbatched prompt
+    mask = enc.get("attention_mask")
+    if mask is None:
+        return [list(p) for p in ids]
+    mask = mask.tolist() if hasattr(mask, "tolist") else mask
+    if mask and not isinstance(mask[0], (list, tuple)):
+        mask = [mask]
+    return [[t for t, m in zip(p, row) if m] for p, row in zip(ids, mask)]  # padding out
+
+
+def check_sent_counts(rid: Hashable, counts: Any, samples: int) -> None:
+    """token_deltas' `sent[rid]`: one count of output tokens already sent per sample, each >= 0."""
+    if not isinstance(counts, list) or len(counts) != samples:
+        raise ValueError(f"sent[{rid!r}] must be a list of {samples} output-token counts, one per sample")
+    # checked for every streamed request between two steps: a comprehension, cheaper than any(genexpr)
+    if [c for c in counts if isinstance(c, bool) or not isinstance(c, int) or c < 0]:
+        raise ValueError(f"sent[{rid!r}] holds a count that is not an int >= 0: {counts}")

@@ -26,11 +26,11 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
 def _prompt_logprobs(req: Request) -> dict:
     """The prompt's logprobs, computed by the first sample's prefill, once it is complete."""
     want, lead = req.params.prompt_logprobs, req.seqs[0]
-    if want is None or len(lead.prompt_logprobs) < len(req.prompt_ids) - 1:
+    if want is None or len(lead.scoring.logprobs) < len(req.prompt_ids) - 1:
         return {}
     return {
-        "prompt_logprobs": list(lead.prompt_logprobs),
-        "prompt_top_logprobs": list(lead.prompt_top_logprobs) if want else None,
+        "prompt_logprobs": list(lead.scoring.logprobs),
+        "prompt_top_logprobs": list(lead.scoring.top) if want else None,
     }
 
 
@@ -43,28 +43,28 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         logprobs=list(seq.logprobs) if p.logprobs else None,
         top_logprobs=list(seq.top_logprobs) if p.top_logprobs else None,
         finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
+        stop_reason=seq.stop.reason,
         weight_versions=list(seq.weight_versions),
         logprob_ranks=list(seq.logprob_ranks) if p.logprob_ranks else None,
     )
 
 
 def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
-    p, start = seq.params, seq.num_emitted
+    p, start = seq.params, seq.streamed.tokens
     end = seq.num_output
     text = ""
     if tokenizer is not None:
-        if seq.detok is None:
-            seq.detok = IncrementalText(tokenizer, p.skip_special_tokens)
-        seq.detok.update(seq.output_ids)
+        if seq.stop.detok is None:
+            seq.stop.detok = IncrementalText(tokenizer, p.skip_special_tokens)
+        seq.stop.detok.update(seq.output_ids)
         if seq.finish_reason:
             shown = _final_text(seq, tokenizer)
         else:
-            text = seq.detok.text
-            shown = text[: max(seq.num_emitted_chars, len(text) - p.stream_holdback)]
-        text = shown[seq.num_emitted_chars :]
-        seq.num_emitted_chars = len(shown)
-    seq.num_emitted = end
+            text = seq.stop.detok.text
+            shown = text[: max(seq.streamed.chars, len(text) - p.stream_holdback)]
+        text = shown[seq.streamed.chars :]
+        seq.streamed.chars = len(shown)
+    seq.streamed.tokens = end
     return CompletionOutput(
         index=seq.sample,
         token_ids=seq.token_ids[seq.num_prompt + start : seq.num_prompt + end],
@@ -72,15 +72,15 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         logprobs=seq.logprobs[start:end] if p.logprobs else None,
         top_logprobs=seq.top_logprobs[start:end] if p.top_logprobs else None,
         finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
+        stop_reason=seq.stop.reason,
         weight_versions=seq.weight_versions[start:end],
         logprob_ranks=seq.logprob_ranks[start:end] if p.logprob_ranks else None,
     )
 
 
 def _final_text(seq: Sequence, tokenizer: Any) -> str:
-    if isinstance(seq.stop_reason, str):  # a stop string already cut the text
-        return seq.text
+    if isinstance(seq.stop.reason, str):  # a stop string already cut the text
+        return seq.stop.text
     if tokenizer is None:
         return ""
     return tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
@@ -104,8 +104,8 @@ def token_deltas(req: Request, sent: list[int]) -> list[TokenDelta]:
                 seq.top_logprobs[start:end] if p.top_logprobs else None,
                 seq.weight_versions[start:end],
                 seq.finish_reason,
-                seq.stop_reason,
-                seq.text if isinstance(seq.stop_reason, str) else None,
+                seq.stop.reason,
+                seq.stop.text if isinstance(seq.stop.reason, str) else None,
             )
         )
     return deltas

@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Hashable
 
 from rollout.cache.pages import PageManager
-from rollout.cache.state import Snapshots, snapshot_point
 from rollout.engine.stop import StopChecker
 from rollout.runner.batch import StepOutput
+from rollout.runner.state_slots import Snapshots, snapshot_point
 from rollout.state.scheduled import ScheduledBatch
 from rollout.state.sequence import PENDING, Request, Sequence, Status
 
@@ -157,8 +157,8 @@ class Scheduler:
         if len(pages) * self.pages.page_size >= seq.num_tokens:
             self.pages.release(pages[-1:])
             pages = pages[:-1]
-        if seq.logprobs_from is not None:  # the logits from position logprobs_from - 1 on are wanted
-            keep = (seq.logprobs_from - 1) // self.pages.page_size
+        if seq.scoring is not None:  # the logits from position scoring.start - 1 on are wanted
+            keep = (seq.scoring.start - 1) // self.pages.page_size
             self.pages.release(pages[keep:])
             pages = pages[:keep]
         if self.snapshots is not None and pages:  # the state after the prefix must be kept, or no sharing
@@ -231,7 +231,7 @@ class Scheduler:
             if seq.followers:  # the prompt is cached now: its siblings go next, sharing it
                 self.waiting.extendleft(reversed(seq.followers))
                 seq.followers = []
-            if not seq.score_only:
+            if seq.scoring is None or not seq.scoring.only:
                 seq.token_ids.append(PENDING)
                 seq.pending = True
         return rows
@@ -252,7 +252,7 @@ class Scheduler:
         for i, seq in enumerate(rows):
             if seq is None or seq.status is Status.FINISHED:
                 continue
-            if seq.score_only:  # Engine.score: its logprobs are all in, nothing to sample
+            if seq.scoring is not None and seq.scoring.only:  # Engine.score: all in, nothing to sample
                 self._finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]
                 continue
@@ -316,8 +316,9 @@ def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
     from its start: its pieces overwrite what it had from there on (the same values)."""
     for i, piece in pieces.items():
         seq = batch.seqs[i]
-        keep = piece.first - seq.logprobs_from
-        del seq.prompt_logprobs[keep:], seq.prompt_top_logprobs[keep:]
-        seq.prompt_logprobs += piece.logprobs
+        scoring = seq.scoring
+        keep = piece.first - scoring.start
+        del scoring.logprobs[keep:], scoring.top[keep:]
+        scoring.logprobs += piece.logprobs
         if piece.top is not None:
-            seq.prompt_top_logprobs += piece.top
+            scoring.top += piece.top

@@ -71,7 +71,7 @@ def score_groups(token_lists: list[list[int]], starts: list[int]) -> list[list[i
 def score_output(seq, top_logprobs: int) -> ScoreOutput:
     return ScoreOutput(
         token_ids=list(seq.token_ids),
-        start=seq.logprobs_from,
-        logprobs=list(seq.prompt_logprobs),
-        top_logprobs=list(seq.prompt_top_logprobs) if top_logprobs else None,
+        start=seq.scoring.start,
+        logprobs=list(seq.scoring.logprobs),
+        top_logprobs=list(seq.scoring.top) if top_logprobs else None,
     )

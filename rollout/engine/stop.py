@@ -24,9 +24,9 @@ class StopChecker:
                 self._detok(seq).update(seq.output_ids)
             return False
         if not p.ignore_eos and token in self.eos_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop.reason = "stop", token
         elif p.stop_token_ids and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
+            seq.finish_reason, seq.stop.reason = "stop", token
         elif p.stop_strings and self._hit_stop_string(seq):
             seq.finish_reason = "stop"
         elif seq.num_output >= p.max_new_tokens:
@@ -34,16 +34,16 @@ class StopChecker:
         return seq.finish_reason is not None
 
     def _detok(self, seq: Sequence) -> IncrementalText:
-        if seq.detok is None:
-            seq.detok = IncrementalText(self.tokenizer, seq.params.skip_special_tokens)
-        return seq.detok
+        if seq.stop.detok is None:
+            seq.stop.detok = IncrementalText(self.tokenizer, seq.params.skip_special_tokens)
+        return seq.stop.detok
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         before = len(self._detok(seq).text)
-        seq.detok.update(seq.output_ids)
+        seq.stop.detok.update(seq.output_ids)
         # only the tail that the new text can have completed
         tail_start = max(0, before - max(len(s) for s in seq.params.stop_strings) + 1)
-        text = seq.detok.text
+        text = seq.stop.detok.text
         hits = [(i, s) for s in seq.params.stop_strings if (i := text.find(s, tail_start)) >= 0]
         if not hits:
             return False
@@ -54,5 +54,5 @@ class StopChecker:
         in_full = [(i, s) for s in seq.params.stop_strings if (i := full.find(s, start)) >= 0]
         index, stop = min(in_full or hits)
         end = index + len(stop) if seq.params.include_stop_str_in_output else index
-        seq.text, seq.stop_reason = (full if in_full else text)[:end], stop
+        seq.stop.text, seq.stop.reason = (full if in_full else text)[:end], stop
         return True

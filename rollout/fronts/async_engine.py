@@ -1,19 +1,14 @@
 """AsyncEngine: the Engine's step loop in one background thread, fed by many callers at once.
 
-Callers (asyncio tasks on any event loop, in any thread) submit requests; the loop thread adds them to
-the engine between steps, runs `Engine.step`, and hands each output back to the caller's own event loop
-with `loop.call_soon_threadsafe`. Everything that touches the engine (adds, aborts, pauses, weight
-updates, memory release) runs on the loop thread between two steps, so no call interleaves with a step
-and there is no second step loop: this is `Engine.add_request` / `step` / `abort_request`, driven.
+Callers (asyncio tasks on any event loop, in any thread) submit requests; the loop thread runs the
+engine's `StepDriver` (rollout/engine/driver.py), which adds them between steps and runs `Engine.step`,
+and this front hands each output back to the caller's own event loop with `loop.call_soon_threadsafe`.
+Everything that touches the engine (adds, aborts, pauses, weight updates, memory release) runs on the
+loop thread between two steps, so no call interleaves with a step and there is no second step loop.
 ProcessAsyncEngine (rollout/fronts/async_process.py) has the same methods with the loop in a child process,
 which keeps the callers' Python work (an HTTP server's) from holding the step loop up.
 
-Pausing (`pause_generation`) has SGLang's three modes:
-- "abort": requests in flight end as aborted, with the tokens and logprobs they have;
-- "retract": requests leave the device (their pages are freed) and wait; after `continue_generation`
-  they resume from their tokens, recomputing their KV with the weights of then;
-- "in_place": requests keep their pages and no step runs. Weight updates and memory releases are refused
-  while such requests hold KV (their cache would mix two weight versions) unless called with abort=True.
+Pausing (`pause_generation`) has SGLang's three modes; see the driver.
 """
 
 from __future__ import annotations
@@ -31,25 +26,20 @@ from pathlib import Path
 from typing import Any
 
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.engine.driver import PAUSE_MODES, PauseMode, StepDriver
 from rollout.engine.engine import Engine
-from rollout.fronts.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode, QueueFullError
+from rollout.fronts.async_front import (
+    REQUEST_METHODS,
+    AsyncFront,
+    QueueFullError,
+    deliver,
+)
 from rollout.fronts.stream_deltas import cut, merge
 from rollout.outputs import RequestOutput
 
 __all__ = ["AsyncEngine", "PAUSE_MODES", "PauseMode", "QueueFullError"]
 
 log = logging.getLogger("rollout")
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[_Channel, Any]]) -> None:
-    def put_all() -> None:
-        for ch, item in items:
-            ch.queue.put_nowait(item)
-
-    try:
-        loop.call_soon_threadsafe(put_all)
-    except RuntimeError:  # that loop is closed: nobody is waiting any more
-        pass
 
 
 @dataclass(eq=False)
@@ -120,12 +110,8 @@ class AsyncEngine(AsyncFront):
         self.engine, self._owns_engine = engine, owns_engine
         self.tokenizer = engine.tokenizer
         self.model_path, self.tp_rank = str(engine.config.model), engine.tp.rank
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
-            queue.SimpleQueue()
-        )
-        self._wake = threading.Event()
-        self._channels: dict[Hashable, _Channel] = {}  # loop thread only
-        self._stalled = False  # the last step raised with requests left in flight: wait for a command
+        self._front = _Front(lambda: self._stopping)
+        self._driver = StepDriver(engine, self._front)  # loop thread only
         self._thread = threading.Thread(target=self._loop, name="rollout-async-engine", daemon=True)
         self._thread.start()
 
@@ -134,57 +120,39 @@ class AsyncEngine(AsyncFront):
         self, rid: Hashable, prompt: str | None, input_ids: Any, params: Any, stream: bool
     ) -> _Channel:
         ch = _Channel(asyncio.get_running_loop(), asyncio.Queue(), stream)
-        await self._call(functools.partial(self._add, rid, ch, prompt, input_ids, params))
+        add = self._driver.add
+        await self._call(functools.partial(add, rid, input_ids, params, ch, prompt=prompt, stream=stream))
         return ch
 
     def _cancel(self, rid: Hashable) -> None:
-        self._post(functools.partial(self._abort_now, rid))
-
-    def _add(self, rid: Hashable, ch: _Channel, prompt: Any, input_ids: Any, params: Any) -> None:
-        if rid in self._channels:
-            raise ValueError(f"request_id {rid!r} is already in flight")
-        self.engine.add_request(rid, input_ids, params, prompt=prompt, stream=ch.stream)
-        self._channels[rid] = ch
+        self._post(functools.partial(self._driver.abort, rid))
 
     async def abort(self, request_id: Hashable) -> bool:
         """End a request in flight with finish_reason "abort"; its caller gets the tokens and logprobs
         it has, and its pages are freed at once. False when no such request is in flight."""
-        return await self._call(functools.partial(self._abort_now, request_id))
+        return await self._call(functools.partial(self._driver.abort, request_id))
 
     async def abort_all(self) -> int:
         """Abort every request in flight; returns how many."""
-        return await self._call(self._abort_all_now)
-
-    def _abort_now(self, rid: Hashable) -> bool:
-        out = self.engine.abort_request(rid)
-        ch = self._channels.pop(rid, None)
-        if out is not None and ch is not None:
-            ch.put(ch.delta(out))
-        return out is not None
-
-    def _abort_all_now(self) -> int:
-        return sum(self._abort_now(rid) for rid in list(self._channels))
+        return await self._call(self._driver.abort_all)
 
     # -- pause ------------------------------------------------------------------------------------
     async def pause_generation(self, mode: PauseMode = "abort") -> None:
-        """Stop stepping; see the module docstring for the modes. New requests queue until continue."""
+        """Stop stepping; see the driver's docstring for the modes. New requests queue until continue."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         await self._call(functools.partial(self._pause_now, mode))
 
     def _pause_now(self, mode: PauseMode) -> None:
+        self._driver.pause(mode)
         self._paused = mode
-        if mode == "abort":
-            self._abort_all_now()
-        if mode in ("abort", "retract"):
-            # nothing holds KV now: updates and releases may go through with requests queued
-            self.engine.retract_requests()
 
     async def continue_generation(self) -> None:
         """Resume stepping; retracted requests recompute their KV and go on."""
         await self._call(self._continue_now)
 
     def _continue_now(self) -> None:
+        self._driver.resume()
         self._paused = None
 
     # -- the loop thread --------------------------------------------------------------------------
@@ -197,66 +165,21 @@ class AsyncEngine(AsyncFront):
         if self._closed:
             fut.set_exception(RuntimeError("the AsyncEngine was shut down"))
             return fut
-        self._commands.put((fn, fut))
-        self._wake.set()
+        self._front.commands.put((fn, fut))
+        self._front.wake.set()
         return fut
 
     def _loop(self) -> None:
-        while True:
-            self._wake.clear()
-            ran = self._run_commands()
-            self._stalled = self._stalled and not ran
-            if self._stopping:
-                break
-            if self._paused or self._stalled or not self.engine.has_unfinished():
-                self._wake.wait()
-                continue
-            self._step()
+        self._driver.run()
         self._stop()
-
-    def _run_commands(self) -> bool:
-        ran = False
-        while True:
-            try:
-                fn, fut = self._commands.get_nowait()
-            except queue.Empty:
-                return ran
-            ran = True
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # the caller gets it; the loop goes on
-                fut.set_exception(e)
-
-    def _step(self) -> None:
-        try:
-            outs = self.engine.step()
-        except Exception as e:
-            log.exception("step failed")
-            self._stalled = True  # e.g. memory released under retracted requests: wait for a resume
-            for rid in [r for r in self._channels if not self.engine.has_unfinished(r)]:
-                self._channels.pop(rid).put(e)  # a failed step aborted these: their callers get the error
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Channel, RequestOutput]]] = {}
-        for out in outs:
-            ch = (
-                self._channels.pop(out.request_id, None)
-                if out.finished
-                else self._channels.get(out.request_id)
-            )
-            if ch is not None:
-                by_loop.setdefault(ch.loop, []).append((ch, ch.delta(out)))
-        for loop, items in by_loop.items():  # one wake-up of each caller loop per step, not one per request
-            _deliver(loop, items)
 
     def _stop(self) -> None:
         """Abort what is in flight (callers get their partial outputs), refuse what is still queued."""
-        self._abort_all_now()
+        self._driver.close()
         self._closed = True
         while True:
             try:
-                _, fut = self._commands.get_nowait()
+                _, fut = self._front.commands.get_nowait()
             except queue.Empty:
                 break
             if fut.set_running_or_notify_cancel():
@@ -269,27 +192,60 @@ class AsyncEngine(AsyncFront):
         """`shutdown` for callers outside an event loop."""
         with self._count_lock:
             self._stopping = True
-        self._wake.set()
+        self._front.wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
 
+class _Front:
+    """AsyncEngine's side of its step driver, on the loop thread: the commands callers posted, and the
+    outputs' way back to the callers' event loops."""
+
+    def __init__(self, stopping: Callable[[], bool]):
+        self.commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self.wake = threading.Event()  # set with each command posted, and to close
+        self.stopping = stopping
+
+    def poll(self, block: bool) -> bool | None:
+        """Run the commands posted (waiting for one first when the driver is idle); None once closing."""
+        if block:
+            self.wake.wait()
+        self.wake.clear()
+        ran = False
+        while True:
+            try:
+                fn, fut = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            ran = True
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller gets it; the loop goes on
+                fut.set_exception(e)
+        return None if self.stopping() else ran
+
+    def deliver(self, items: list[tuple[_Channel | None, RequestOutput]]) -> None:
+        deliver([(ch, ch.delta(out)) for ch, out in items if ch is not None])
+
+    def failed(self, error: Exception, ended: list[tuple[Hashable, _Channel]]) -> None:
+        log.error("step failed", exc_info=error)
+        for _, ch in ended:  # a failed step aborted these: their callers get the error
+            ch.put(error)
+
+
 def _forward(name: str) -> Callable[..., Any]:
-    """An Engine method as a coroutine run on the loop thread between steps. With abort=True the
-    requests in flight are aborted here first, so their callers get their outputs at once."""
+    """An Engine method as a coroutine run by the driver between steps (with abort=True it aborts the
+    requests in flight first, so their callers get their outputs at once)."""
     method = getattr(Engine, name)
     sig = inspect.signature(method)
 
     async def call(self: AsyncEngine, *args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind(self.engine, *args, **kwargs)
-
-        def run() -> Any:
-            if bound.arguments.get("abort"):
-                self._abort_all_now()
-                bound.arguments["abort"] = False
-            return method(*bound.args, **bound.kwargs)
-
-        return await self._call(run)
+        sig.bind(self.engine, *args, **kwargs)  # a wrong call fails here, in the caller
+        return await self._call(functools.partial(self._driver.call, name, args, kwargs))
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = method.__doc__

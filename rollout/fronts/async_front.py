@@ -13,15 +13,14 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator, Hashable
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from rollout.api import STEP_LOOP_METHODS
+from rollout.engine.driver import PauseMode
 from rollout.fronts.stream_deltas import merge
 from rollout.outputs import RequestOutput
 from rollout.sampling import SamplingParams
 
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES = ("abort", "retract", "in_place")
 # the request-level methods the fronts implement themselves; every other Engine method is forwarded
 REQUEST_METHODS = frozenset({*STEP_LOOP_METHODS, "shutdown"})
 
@@ -30,9 +29,31 @@ class Channel(Protocol):
     """One request's way to its caller: the queue the producer puts items on, and how the items that
     queued up while the caller was busy become one RequestOutput (exceptions are raised first)."""
 
+    loop: asyncio.AbstractEventLoop  # the caller's
     queue: asyncio.Queue
 
     def join(self, items: list) -> RequestOutput: ...
+
+
+def deliver(items: list[tuple[Channel, Any]]) -> list[asyncio.AbstractEventLoop]:
+    """Hand outputs (or exceptions) to their callers from any thread: one wake-up of each caller loop,
+    not one per request. Returns the loops woken."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Channel, Any]]] = {}
+    woken = []
+    for ch, item in items:
+        by_loop.setdefault(ch.loop, []).append((ch, item))
+    for loop, batch in by_loop.items():
+
+        def put_all(batch: list = batch) -> None:
+            for ch, item in batch:
+                ch.queue.put_nowait(item)
+
+        try:
+            loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # that loop is closed: nobody is waiting any more
+            continue
+        woken.append(loop)
+    return woken
 
 
 class QueueFullError(RuntimeError):

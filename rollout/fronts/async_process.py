@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
-from rollout.engine.engine import Engine, load_tokenizer
+from rollout.engine.chat import load_tokenizer
+from rollout.engine.driver import PAUSE_MODES, PauseMode
+from rollout.engine.engine import Engine
 from rollout.engine.inputs import normalize_prompts
-from rollout.fronts.async_front import PAUSE_MODES, REQUEST_METHODS, AsyncFront, PauseMode
+from rollout.fronts.async_front import REQUEST_METHODS, AsyncFront, deliver
 from rollout.fronts.stream_deltas import StreamedText, merge
 from rollout.outputs import RequestOutput, TokenDelta
 from rollout.process import ipc
@@ -314,7 +316,7 @@ class ProcessAsyncEngine(AsyncFront):
             answered = [(self._futures.pop(r.id), r) for r in update.replies]
             self._updates += 1
             number = self._updates
-        loops = _deliver(items)  # outputs before answers: an abort's caller finds the aborted output queued
+        loops = deliver(items)  # outputs before answers: an abort's caller finds the aborted output queued
         for (fut, devices), reply in answered:
             _resolve(fut, reply, devices)
         self._owe_ack(number, loops)
@@ -367,7 +369,7 @@ class ProcessAsyncEngine(AsyncFront):
             self._lock.notify_all()
         if not closing:
             log.error("%s", self._dead)
-        _deliver([(ch, RuntimeError(self._dead)) for ch in channels])
+        deliver([(ch, RuntimeError(self._dead)) for ch in channels])
         for fut, _ in futures:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError(self._dead))
@@ -431,27 +433,6 @@ def _exception(reply: Reply | None) -> BaseException:
     except BaseException as e:
         return e
     return RuntimeError("a step failed")
-
-
-def _deliver(items: list[tuple[_Channel, Any]]) -> list[asyncio.AbstractEventLoop]:
-    """Hand outputs to their callers: one wake-up of each caller loop, not one per request. Returns the
-    loops woken."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Channel, Any]]] = {}
-    woken = []
-    for ch, item in items:
-        by_loop.setdefault(ch.loop, []).append((ch, item))
-    for loop, batch in by_loop.items():
-
-        def put_all(batch: list = batch) -> None:
-            for ch, item in batch:
-                ch.queue.put_nowait(item)
-
-        try:
-            loop.call_soon_threadsafe(put_all)
-        except RuntimeError:  # that loop is closed: nobody is waiting any more
-            continue
-        woken.append(loop)
-    return woken
 
 
 def _resolve(fut: concurrent.futures.Future, reply: Reply, devices: set) -> None:

@@ -8,6 +8,8 @@ and for Python callers:
 
 A tool call whose text does not parse, or names a function the request did not offer, is content,
 never an exception.
+
+May import: nothing of rollout outside parsers/.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import itertools
 import multiprocessing as mp
 import pickle
 import weakref
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -248,8 +249,9 @@ def serve_calls(conn: Any, engine: Any) -> None:
             conn.send(error_reply(req.id, e))
 
 
-def handle_call(engine: Any, req: Call) -> Reply:
-    """Run one Engine method or property read; errors become an error reply."""
+def handle_call(engine: Any, req: Call, invoke: Callable[[str, tuple, dict], Any] | None = None) -> Reply:
+    """Run one Engine method or property read; errors become an error reply. `invoke(name, args,
+    kwargs)` runs the method where given (the engine worker's step driver), else it is called here."""
     try:
         # unpickled here, not by recv(): arguments that cannot be rebuilt fail this call only
         args, kwargs = pickle.loads(req.args[0])
@@ -260,9 +262,11 @@ def handle_call(engine: Any, req: Call) -> Reply:
             return Reply(req.id, True, getattr(engine, args[0]))
         if req.method not in ENGINE_METHODS:
             raise AttributeError(f"Engine.{req.method} is not part of the API")
-        fn = getattr(engine, req.method)
         args, kwargs = ipc.open_handles(args), ipc.open_handles(kwargs)
-        value = fn(*args, **kwargs)
+        if invoke is None:
+            value = getattr(engine, req.method)(*args, **kwargs)
+        else:
+            value = invoke(req.method, args, kwargs)
         del args, kwargs  # drop the opened tensors before answering, so the sender may free them
         if engine.device.type == "cuda":
             import torch

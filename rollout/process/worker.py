@@ -1,14 +1,18 @@
 """The engine worker: ProcessAsyncEngine's child process, owning the Engine and its step loop.
 
-Each turn of the loop runs the commands the parent sent since the last turn (request adds, aborts,
-pauses, RL methods) and one `Engine.step`. What the turns produce (the answers, the whole outputs of
-the requests that ended, the new token ids / logprobs / weight versions of every streamed request)
-goes back as one `wire.Update` at a time: a small one written at once where the socket has room, others
-by a thread of its own, so a step never waits for the pipe. The next update goes once the parent says
-(ACK) that its callers have taken the last one; until then the turns' results gather into it, so a
-parent that falls behind (many clients' SSE and JSON) gets fewer, larger updates, and both processes do
-less work per token, instead of the device slowing down. Answers to commands do not wait for the ACK.
-The HTTP work, the text work for streams and the JSON stay in the parent.
+The worker is a `Front` of the engine's `StepDriver` (rollout/engine/driver.py): each turn of the
+driver runs the commands the parent sent since the last turn (request adds, aborts, pauses, RL methods)
+and one `Engine.step`; the driver owns the requests in flight, the pause modes, the stalled state and
+abort-all, and the worker only receives commands and delivers what they and the steps produce.
+
+What the turns produce (the answers, the whole outputs of the requests that ended, the new token ids /
+logprobs / weight versions of every streamed request) goes back as one `wire.Update` at a time: a small
+one written at once where the socket has room, others by a thread of its own, so a step never waits for
+the pipe. The next update goes once the parent says (ACK) that its callers have taken the last one;
+until then the turns' results gather into it, so a parent that falls behind (many clients' SSE and JSON)
+gets fewer, larger updates, and both processes do less work per token, instead of the device slowing
+down. Answers to commands do not wait for the ACK. The HTTP work, the text work for streams and the JSON
+stay in the parent.
 
 More parents may attach (`listen`; several HTTP server processes over one engine): each has its own
 link (pipe, sender, update), gets the outputs of the requests it added and the answers to its
@@ -32,6 +36,8 @@ from multiprocessing import connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from rollout.engine.driver import StepDriver
+from rollout.outputs import RequestOutput
 from rollout.process.child import engine_facts
 from rollout.process.engine_process import handle_call
 from rollout.process.wire import CLOSE, Call, Reply, Update, error_reply
@@ -74,15 +80,22 @@ class _Link:
         return bool(self.acked or self.update.replies or self.update.failed) and self.sender.free(wait)
 
 
+class _Owner:
+    """Whose a request in flight is (the driver's owner of it): the parent that added it, and for a
+    streamed one the output tokens already sent, per sample (None: not streamed)."""
+
+    __slots__ = ("link", "sent")
+
+    def __init__(self, link: _Link, sent: list[int] | None):
+        self.link, self.sent = link, sent
+
+
 class _Worker:
     def __init__(self, conn: Any, engine: Any):
         self.engine = engine
+        self.driver = StepDriver(engine, self)
         self.links = [_Link(conn, primary=True)]
-        # requests in flight -> output tokens already sent, per sample (None: not streamed)
-        self.live: dict[Hashable, list[int] | None] = {}
-        self.owner: dict[Hashable, _Link] = {}  # the parent that added each request in flight
-        self.paused: str | None = None
-        self.stalled = False  # the last step raised with requests left in flight: wait for a command
+        self.closing = False  # the first parent said to close
         self.listener: connection.Listener | None = None
         self._key = os.urandom(32)  # what an attaching parent must know
         self._closing = False  # the listener is being closed: its accept errors end the accepting
@@ -92,7 +105,10 @@ class _Worker:
 
     def loop(self) -> None:
         try:
-            self._turns()
+            self.driver.run()
+            if self.closing:
+                self.driver.close()  # callers get the outputs they have, acknowledged or not
+                self._hand_over(wait=True, closing=True)
         finally:
             for link in self.links:  # what was handed over still goes, before the engine shuts down
                 link.sender.close()
@@ -100,25 +116,31 @@ class _Worker:
                 self._closing = True
                 self.listener.close()
 
-    def _turns(self) -> None:
-        while True:
-            idle = self.paused is not None or self.stalled or not self.engine.has_unfinished()
-            # nothing may wait in the worker while it sleeps, but what waits for an ACK (which wakes it)
-            if idle and not self._hand_over(wait=True):
-                return
-            calls = self._receive(block=idle)
-            if calls is None:
-                return  # the first parent went away
-            if calls:
-                self.stalled = False
-            if not self._run_all(calls):
-                self._abort_all()  # closing: callers get the outputs they have, acknowledged or not
-                self._hand_over(wait=True, closing=True)
-                return
-            if self.paused is None and not self.stalled and self.engine.has_unfinished():
-                self._step()
-            if not self._hand_over(wait=False):
-                return
+    # -- the driver's front -----------------------------------------------------------------------
+    def poll(self, block: bool) -> bool | None:
+        """Hand over what the last turn produced, then run the commands waiting (blocking for the first
+        one when the driver is idle). None when the first parent has gone or says to close."""
+        # nothing may wait in the worker while it sleeps, but what waits for an ACK (which wakes it)
+        if not self._hand_over(wait=block):
+            return None
+        calls = self._receive(block=block)
+        if calls is None:
+            return None  # the first parent went away
+        if not self._run_all(calls):
+            self.closing = True
+            return None
+        return bool(calls)
+
+    def deliver(self, items: list[tuple[_Owner | None, RequestOutput]]) -> None:
+        first = self.links[0]
+        for owner, out in items:
+            (first if owner is None else owner.link).update.finished.append(out)
+
+    def failed(self, error: Exception, ended: list[tuple[Hashable, _Owner]]) -> None:
+        log.error("step failed", exc_info=error)
+        for rid, owner in ended:  # the requests the failed step aborted: their callers get its error
+            owner.link.update.failed.append(rid)
+            owner.link.update.error = error_reply(0, error)
 
     # -- commands ---------------------------------------------------------------------------------
     def _receive(self, block: bool) -> list[tuple[_Link, Call]] | None:
@@ -162,45 +184,27 @@ class _Worker:
             if call.method == ADD:
                 return Reply(call.id, True, self._add(link, *call.args))
             if call.method == ABORT:
-                return Reply(call.id, True, self._abort(call.args[0]))
+                return Reply(call.id, True, self.driver.abort(call.args[0]))
             if call.method == ABORT_ALL:
-                return Reply(call.id, True, self._abort_all())
+                return Reply(call.id, True, self.driver.abort_all())
             if call.method == PAUSE:
-                return Reply(call.id, True, self._pause(call.args[0]))
+                return Reply(call.id, True, self.driver.pause(call.args[0]))
             if call.method == CONTINUE:
-                self.paused = None
-                return Reply(call.id, True, None)
+                return Reply(call.id, True, self.driver.resume())
             if call.method == LISTEN:
                 return Reply(call.id, True, self._listen())
         except BaseException as e:
             return error_reply(call.id, e)
-        return handle_call(self.engine, call)  # RL methods and property reads, as EngineProcess runs them
+        # RL methods and property reads, as EngineProcess runs them (the driver aborts first for abort=True)
+        return handle_call(self.engine, call, self.driver.call)
 
     def _add(self, link: _Link, rid: Hashable, input_ids: Any, params: Any, stream: bool) -> None:
-        self.engine.add_request(rid, input_ids, params, stream=False)
-        self.live[rid] = [0] * (1 if params is None else params.n) if stream else None
-        self.owner[rid] = link
+        sent = [0] * (1 if params is None else params.n) if stream else None
+        self.driver.add(rid, input_ids, params, _Owner(link, sent))  # stream=False: see the docstring
 
-    def _abort(self, rid: Hashable) -> bool:
-        """Abort a request, whichever parent added it (its output goes to that one)."""
-        out = self.engine.abort_request(rid)
-        self.live.pop(rid, None)
-        link = self.owner.pop(rid, None)
-        if out is not None and link is not None:
-            link.update.finished.append(out)
-        return out is not None
-
-    def _abort_all(self, link: _Link | None = None) -> int:
-        """Abort every request in flight (with `link`, only those that parent added)."""
-        return sum(self._abort(rid) for rid in list(self.live) if link is None or self.owner[rid] is link)
-
-    def _pause(self, mode: str) -> None:
-        self.paused = mode
-        if mode == "abort":
-            self._abort_all()
-        if mode in ("abort", "retract"):
-            # nothing holds KV now: updates and releases may go through with requests queued
-            self.engine.retract_requests()
+    def _abort_all(self, link: _Link) -> int:
+        """Abort the requests in flight that `link`'s parent added."""
+        return self.driver.abort_all(lambda owner: owner.link is link)
 
     # -- more parents -----------------------------------------------------------------------------
     def _listen(self) -> tuple[str, bytes]:
@@ -251,25 +255,7 @@ class _Worker:
         link.sender.close()
         link.conn.close()
 
-    # -- steps ------------------------------------------------------------------------------------
-    def _step(self) -> None:
-        try:
-            outs = self.engine.step()
-        except Exception as e:
-            log.exception("step failed")
-            self.stalled = True  # e.g. memory released under retracted requests: wait for a resume
-            # the requests the failed step aborted; their callers get its error
-            failed = [rid for rid in self.live if not self.engine.has_unfinished(rid)]
-            for rid in failed:
-                del self.live[rid]
-                link = self.owner.pop(rid)
-                link.update.failed.append(rid)
-                link.update.error = error_reply(0, e)
-            return
-        for out in outs:
-            self.live.pop(out.request_id, None)
-            self.owner.pop(out.request_id, self.links[0]).update.finished.append(out)
-
+    # -- updates ----------------------------------------------------------------------------------
     def _hand_over(self, wait: bool, closing: bool = False) -> bool:
         """Give each parent's gathered update to its sender where the link is ready (see `_Link.ready`;
         when `closing`, only the sender counts); otherwise keep gathering. False when the first parent
@@ -288,13 +274,14 @@ class _Worker:
         gained since the last one."""
         if not links:
             return
+        owners = self.driver.owners
         streamed = {
-            rid: sent for rid, sent in self.live.items() if sent is not None and self.owner[rid] in links
+            rid: owner.sent for rid, owner in owners.items() if owner.sent is not None and owner.link in links
         }
         if streamed:
             for d in self.engine.token_deltas(streamed):
                 streamed[d.request_id][d.sample] += len(d.token_ids)
-                self.owner[d.request_id].update.tokens.append(d)
+                owners[d.request_id].link.update.tokens.append(d)
         for link in links:
             if link.update:
                 update, link.update = link.update, Update()

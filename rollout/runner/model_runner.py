@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
-from rollout.cache.state import SlotTable, Snapshots, StateBatch, StatePool, snapshot_point
+from rollout.cache.state import StateBatch, StatePool
 from rollout.device.staging import Staging, to_device
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
@@ -29,6 +29,7 @@ from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.prompt_logprobs import prompt_logprobs
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
+from rollout.runner.state_slots import SlotTable, Snapshots, snapshot_point
 from rollout.state.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 
 if TYPE_CHECKING:

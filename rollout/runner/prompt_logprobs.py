@@ -37,8 +37,8 @@ def scored_rows(batch: ScheduledBatch) -> list[tuple[int, int, int, int]]:
     out, row = [], 0
     for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
         start = seq.num_computed  # the scheduler advances it after the step
-        if seq.logprobs_from is not None:
-            lo = max(start, seq.logprobs_from - 1)
+        if seq.scoring is not None:
+            lo = max(start, seq.scoring.start - 1)
             hi = min(start + chunk, seq.num_prompt - 1)
             if hi > lo:
                 out.append((i, row + lo - start, lo, hi - lo))

@@ -24,7 +24,38 @@ class Status(Enum):
 
 
 @dataclass(eq=False)
+class StopState:
+    """How a sequence stopped, and its text while stop strings are checked or it streams."""
+
+    reason: str | int | None = None  # the stop string or token id that ended it
+    text: str = ""  # set when a stop string cut the output
+    detok: Any = None  # an IncrementalText, made by the first stop-string check or streamed delta
+
+
+@dataclass(eq=False)
+class Streamed:
+    """What stream deltas have handed out of a sequence."""
+
+    tokens: int = 0  # output tokens
+    chars: int = 0  # characters of text
+
+
+@dataclass(eq=False)
+class Scoring:
+    """Logprobs of given tokens (engine/scoring.py, runner/prompt_logprobs.py): those of tokens
+    `start`, start + 1, ... of the sequence, computed by its prefill."""
+
+    start: int  # the index of the first token to score
+    only: bool = False  # Engine.score: finish after the prefill, sample nothing
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)  # each token's top_logprobs
+
+
+@dataclass(eq=False)
 class Sequence:
+    """One sample being generated. The fields the step reads are flat; the rest are grouped by concern
+    (stop, streamed, scoring)."""
+
     seq_id: int
     request_id: Hashable
     sample: int  # which of the prompt's n samples
@@ -41,19 +72,11 @@ class Sequence:
     logprob_ranks: list[int] = field(default_factory=list)  # with SamplingParams.logprob_ranks
     weight_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    text: str = ""  # set when a stop string cut the output
-    detok: Any = None  # an IncrementalText while stop strings are checked
-    num_emitted: int = 0  # output tokens already handed out in stream deltas
-    num_emitted_chars: int = 0  # and characters of text
+    stop: StopState = field(default_factory=StopState)
+    streamed: Streamed = field(default_factory=Streamed)
     # the prompt's other samples wait for this one's prefill, then share its cached prompt pages
     followers: list[Sequence] = field(default_factory=list)
-    # logprobs of given tokens (engine/scoring.py, runner/prompt_logprobs.py): the index of the first
-    # token to score, or None
-    logprobs_from: int | None = None
-    score_only: bool = False  # Engine.score: finish after the prefill, sample nothing
-    prompt_logprobs: list[float] = field(default_factory=list)  # of tokens logprobs_from, ...
-    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    scoring: Scoring | None = None  # logprobs of given tokens: prompt_logprobs, Engine.score
     cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
     # token_ids[-1] is PENDING: a launched step samples it, and postprocess puts it in place
     pending: bool = False
