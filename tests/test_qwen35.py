@@ -212,7 +212,8 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False, **HYBRID,
     )  # fmt: skip
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    # the text config says untied, the checkpoint's class reads the top config: tied
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForConditionalGeneration(cfg).float()
     with torch.no_grad():
@@ -223,6 +224,8 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     prompt = prompt_of(120, seed=17)
     eng = engine(tmp_path)
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in eng.model.hf_names()
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+    assert eng.model_config.tie_word_embeddings
     out = eng.generate(input_ids=[prompt], sampling_params=greedy(16), use_tqdm=False)[0].outputs[0]
     with torch.inference_mode():
         tokens = torch.tensor([prompt + out.token_ids])

@@ -20,6 +20,8 @@ state carried between prefill steps is exact, so a step may end anywhere.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -158,6 +160,7 @@ def recurrent_reference(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Te
 
 
 # -- flash-linear-attention (optional) ---------------------------------------------------------------
+@functools.cache
 def fla_available() -> bool:
     try:
         import fla.ops.gated_delta_rule  # noqa: F401

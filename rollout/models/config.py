@@ -106,7 +106,8 @@ class ModelConfig:
             rope_theta=float(params["rope_theta"]),
             rope_scaling=None if kind == "default" else dict(params, rope_type=kind),
             max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            # the checkpoint's own class reads it from its config: the top one of a vision-language model
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
             qkv_bias=qwen2 or attn_bias,
             o_bias=attn_bias and not qwen2,
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
