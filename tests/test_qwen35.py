@@ -21,6 +21,7 @@ from rollout.models.toy import build_tokenizer, tiny_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import check_fidelity as cf  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engines and transformers models: seconds each (still run by default)
 TOL = 1e-4
 NEW = 64
 ARCHS = ["qwen3_5", "qwen3_next"]
