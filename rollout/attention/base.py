@@ -69,7 +69,9 @@ class AttentionBackend(ABC):
 
 @dataclass
 class ForwardContext:
-    """What every layer needs for one step besides its input: the attention backend and its metadata."""
+    """What every layer needs for one step besides its input: the attention backend and its metadata,
+    and for a model with per-request state (rollout/cache/state.py) the step's StateBatch."""
 
     backend: AttentionBackend
     meta: Any
+    state: Any = None

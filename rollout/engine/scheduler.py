@@ -23,6 +23,7 @@ from collections.abc import Hashable
 from rollout.cache.pages import PageManager
 from rollout.engine.stop import StopChecker
 from rollout.runner.batch import StepOutput
+from rollout.runner.state_slots import Snapshots, snapshot_point
 from rollout.state.scheduled import ScheduledBatch
 from rollout.state.sequence import PENDING, Request, Sequence, Status
 
@@ -36,8 +37,11 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         mixed: bool = True,
+        snapshots: Snapshots | None = None,
     ):
         self.pages, self.stops = pages, stops
+        # a model with per-request state: a cached prefix is shared only where its state was kept
+        self.snapshots = snapshots
         self.max_running, self.max_prefill_tokens, self.mixed = max_running, max_prefill_tokens, mixed
         self.requests: dict[Hashable, Request] = {}  # in flight
         self.waiting: deque[Sequence] = deque()
@@ -84,7 +88,7 @@ class Scheduler:
         budget, seqs, chunks, decoding = self.max_prefill_tokens, [], [], []
         for seq in self.running:  # finish prefills already under way first (their pages are reserved)
             if seq.needs > 1 and budget > 0:
-                chunk = min(seq.needs, budget)
+                chunk = self._chunk(seq, budget)
                 seqs.append(seq), chunks.append(chunk)
                 budget -= chunk
             elif seq.needs == 1:
@@ -96,7 +100,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunk = min(seq.needs, budget)
+            chunk = self._chunk(seq, budget)
             seqs.append(seq), chunks.append(chunk)
             budget -= chunk
         if not seqs:
@@ -105,6 +109,16 @@ class Scheduler:
         # into waits for the next decode step, which preempts to make room
         riders = [s for s in decoding if not _ends_in_flight(s) and self._grow(s)] if self.mixed else []
         return ScheduledBatch(seqs + riders, chunks + [1] * len(riders), decode=False, decodes=len(riders))
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step. With per-request state, a prompt whose followers will share
+        it stops at its snapshot point once, so that the state there can be kept (cache/state.py)."""
+        chunk = min(seq.needs, budget)
+        if self.snapshots is not None and seq.followers:
+            point = snapshot_point(seq, self.pages.page_size)
+            if seq.num_computed < point:
+                chunk = min(chunk, point - seq.num_computed)
+        return chunk
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve pages for all of `seq`'s tokens, keeping one spare page per running sequence so the
@@ -147,6 +161,11 @@ class Scheduler:
             keep = (seq.scoring.start - 1) // self.pages.page_size
             self.pages.release(pages[keep:])
             pages = pages[:keep]
+        if self.snapshots is not None and pages:  # the state after the prefix must be kept, or no sharing
+            seq.state_from = self.snapshots.find(pages[-1])
+            if seq.state_from is None:
+                self.pages.release(pages)
+                pages = []
         seq.pages, seq.num_indexed_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.pages.page_size
 
@@ -163,6 +182,7 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_indexed_pages = [], 0, 0
+        seq.state_from = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

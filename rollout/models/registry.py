@@ -11,6 +11,9 @@ MODELS: dict[str, str] = {
     "MistralForCausalLM": "rollout.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
+    "Qwen3_5ForCausalLM": "rollout.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "rollout.models.qwen3_5:Qwen3_5TextOfConditionalGeneration",
+    "Qwen3NextForCausalLM": "rollout.models.qwen3_5:Qwen3NextForCausalLM",
 }
 
 

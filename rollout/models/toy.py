@@ -24,7 +24,14 @@ ARCH_CONFIGS = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen3_5": "Qwen3_5TextConfig",  # hybrid: Gated DeltaNet + gated attention, 3 to 1
+    "qwen3_next": "Qwen3NextConfig",  # the same mixers; its MLP is dense here (num_experts=0)
 }
+# the linear-attention shape of the hybrids' tiny configs (GQA-like: 2 key heads for 4 value heads)
+HYBRID = dict(
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)  # fmt: skip
 
 
 def build_tokenizer(folder: str | Path) -> Any:
@@ -73,6 +80,10 @@ def tiny_config(arch: str = "qwen3", *, vocab_size: int | None = None, **overrid
         base["use_sliding_window"] = False
     if arch == "mistral":
         base["sliding_window"] = None
+    if arch in ("qwen3_5", "qwen3_next"):
+        base.update(HYBRID, num_hidden_layers=4)  # layers 0-2 linear attention, layer 3 full attention
+    if arch == "qwen3_next":
+        base["num_experts"] = 0
     base.update(overrides)
     cfg = getattr(transformers, ARCH_CONFIGS[arch])(**base)
     cfg.dtype = "float32"

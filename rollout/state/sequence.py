@@ -81,6 +81,9 @@ class Sequence:
     cache_salt: Hashable = None  # prefix-cache chain of its LoRA adapter (None: the base model's)
     # token_ids[-1] is PENDING: a launched step samples it, and postprocess puts it in place
     pending: bool = False
+    # models with per-request state (cache/state.py): the snapshot slot its state starts from, set when
+    # it shares a cached prefix; the runner copies it into the sequence's own slot before its first chunk
+    state_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
