@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import hashlib
 import inspect
 import json
-import pickle
 import socket
 import subprocess
 import sys
@@ -134,10 +132,12 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
 
 
 def push_weights(url: str, policy: torch.nn.Module) -> None:
+    """The policy's weights to the server, as safetensors (no pickle crosses HTTP)."""
     import httpx
 
-    named = [(k, v.detach().clone()) for k, v in policy.named_parameters()]
-    blob = base64.b64encode(pickle.dumps(named)).decode()
+    from rollout.serve.tensor_wire import encode_safetensors
+
+    blob = encode_safetensors([(k, v.detach().clone()) for k, v in policy.named_parameters()])
     r = httpx.post(
         url + "/update_weights_from_tensor", json={"serialized_named_tensors": [blob]}, timeout=120
     )

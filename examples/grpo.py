@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from integrations.cli import loop_parser, run_example
+from integrations.cli import loop_parser, parsed, run_example
 from integrations.loop import ColocatedLoop, check_loop_config
 from integrations.lora import build_lora_loop
 from integrations.metrics import PhaseTimer
@@ -44,6 +44,7 @@ from integrations.routing_replay import RouteRecorder, RoutingReplay, route_mism
 @dataclass(frozen=True)
 class Config:
     model: str | None = None  # HF checkpoint folder; None: the built-in tiny model
+    threads: int | None = None  # torch's CPU threads; None: 1 for the built-in model on a CPU
     task: str = "repeat"
     steps: int = 40
     batch: int = 16  # prompts per step
@@ -214,7 +215,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    return run_example(train, parse_args(argv))
+    return run_example(train, parsed(parse_args, argv))
 
 
 if __name__ == "__main__":

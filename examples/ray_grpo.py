@@ -23,7 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from integrations.cli import loop_parser, run_example
+from integrations.cli import loop_parser, parsed, run_example
 from integrations.loop import check_loop_config
 from integrations.metrics import MetricsLogger, PhaseTimer, rollout_metrics
 from integrations.ray import RolloutGroup
@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class Config:
     model: str | None = None  # HF checkpoint folder; None: the built-in tiny model
+    threads: int | None = None  # torch's CPU threads; None: 1 for the built-in model on a CPU
     task: str = "repeat"
     steps: int = 40
     batch: int = 16  # prompts per step
@@ -257,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
-    return run_example(train, parse_args(argv))
+    return run_example(train, parsed(parse_args, argv))
 
 
 if __name__ != "__main__":

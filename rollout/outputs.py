@@ -45,6 +45,8 @@ class RequestOutput:
     # when it is > 0, the top ones of each position
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
+    # with SamplingParams.logprob_ranks too: each scored prompt token's rank (1 = the most likely)
+    prompt_logprob_ranks: list[int] | None = None
 
 
 class TokenDelta(NamedTuple):

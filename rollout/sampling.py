@@ -62,8 +62,9 @@ class SamplingParams:
     # token sequences never completed (vLLM's bad_words, tokenized): the last token of one is masked
     # whenever the output so far ends with the rest of it
     bad_words_ids: list[list[int]] | None = field(default=None, hash=False)
-    # with logprobs: CompletionOutput.logprob_ranks holds each sampled token's rank in the reported
-    # distribution (tokens at least as likely, itself included; 1 = the most likely)
+    # with logprobs (prompt_logprobs): CompletionOutput.logprob_ranks (RequestOutput.prompt_logprob_ranks)
+    # holds each token's rank in the reported distribution (tokens at least as likely, itself included;
+    # 1 = the most likely)
     logprob_ranks: bool = False
     _stop: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -124,8 +125,8 @@ class SamplingParams:
                 _check_number("logit_bias", b)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("logprob_ranks", self.logprob_ranks)
-        if self.logprob_ranks and not self.logprobs:
-            raise ValueError("SamplingParams.logprob_ranks needs logprobs=True")
+        if self.logprob_ranks and not self.logprobs and self.prompt_logprobs is None:
+            raise ValueError("SamplingParams.logprob_ranks needs logprobs=True or prompt_logprobs")
         if self.allowed_token_ids is not None:
             _check_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
@@ -156,6 +157,11 @@ class SamplingParams:
         if not self._stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self._stop) - 1
+
+    @property
+    def sample_ranks(self) -> bool:
+        """Whether the sampler computes the sampled tokens' ranks."""
+        return self.logprob_ranks and self.logprobs
 
     @property
     def greedy(self) -> bool:

@@ -57,6 +57,12 @@ def kv_bytes(engine: Engine, batch: int, tokens: int) -> int:
     return batch * tokens * kv.num_layers * 2 * kv.num_kv_heads * kv.head_dim * kv.dtype.itemsize
 
 
+def state_bytes(engine: Engine, batch: int) -> int:
+    """Per-request state a decode step reads and writes (linear-attention models; 0 for the others)."""
+    state = getattr(engine, "state", None)
+    return 0 if state is None else 2 * batch * state.bytes_per_slot(state.shapes)
+
+
 def decode_batch(engine: Engine, batch: int, context: int, seed: int) -> ScheduledBatch:
     """`batch` running sequences with `context` tokens cached and one new token to decode."""
     rng = np.random.default_rng(seed)
@@ -72,6 +78,13 @@ def decode_batch(engine: Engine, batch: int, context: int, seed: int) -> Schedul
         seq.num_computed, seq.status = context, Status.RUNNING
         seqs.append(seq)
     return ScheduledBatch(seqs, [1] * batch, decode=True)
+
+
+def release(engine: Engine, batch: ScheduledBatch) -> None:
+    """Give a made-up batch's pages back; its sequences are done (their state slots, if any, too)."""
+    for seq in batch.seqs:
+        engine.pages.release(seq.pages)
+        seq.pages, seq.status = [], Status.FINISHED
 
 
 def sync() -> None:
@@ -195,7 +208,7 @@ def main() -> None:
     runner = engine.runner
     for i, bs in enumerate(args.batch_sizes):
         batch = decode_batch(engine, bs, args.context, seed=i)
-        floor = (weights + kv_bytes(engine, bs, args.context + 1)) / bandwidth
+        floor = (weights + kv_bytes(engine, bs, args.context + 1) + state_bytes(engine, bs)) / bandwidth
         for use_graphs in [True, False] if graphs else [False]:
             runner.graphs = graphs if use_graphs else None
             with torch.inference_mode():
@@ -204,8 +217,7 @@ def main() -> None:
                 step = timed(lambda batch=batch: runner.step(batch), args.reps)
             whole = None  # the engine's loop runs as configured: in the graphs row when captured
             if use_graphs or not graphs:
-                for seq in batch.seqs:
-                    engine.pages.release(seq.pages)
+                release(engine, batch)
                 whole = engine_step(engine, bs, args.context, args.reps, seed=i)
                 batch = decode_batch(engine, bs, args.context, seed=i)
             row = dict(
@@ -228,8 +240,7 @@ def main() -> None:
         runner.graphs = graphs
         if args.profile and device.type == "cuda":
             profile_steps(runner, batch)
-        for seq in batch.seqs:
-            engine.pages.release(seq.pages)
+        release(engine, batch)
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2))
 

@@ -145,6 +145,37 @@ PUBLISHED: dict[str, dict] = {
         "use_sliding_window": False, "vocab_size": 151936,
     },
 }
+# The text model of the published Qwen3.5 checkpoints (Qwen/Qwen3.5-0.8B, -2B, -9B: config.json's
+# text_config, written down from the published files; the Hub is not reachable from the test machines),
+# as the text-only Qwen3_5ForCausalLM reads it. 3 Gated DeltaNet layers to 1 gated-attention layer
+# (full_attention_interval 4); partial rotary 0.25 of head_dim 256.
+QWEN35_COMMON = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "attention_bias": False,
+    "attention_dropout": 0.0, "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+    "hidden_act": "silu", "initializer_range": 0.02, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 248320,
+}
+HYBRID: dict[str, dict] = {
+    "qwen3.5-0.8b": {
+        **QWEN35_COMMON, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "tie_word_embeddings": True,
+    },
+    "qwen3.5-2b": {
+        **QWEN35_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16, "tie_word_embeddings": True,
+    },
+    "qwen3.5-9b": {
+        **QWEN35_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "tie_word_embeddings": False,
+    },
+}
+SHAPES = {**PUBLISHED, **HYBRID}
 # fmt: on
 # Qwen2.5's long-context setting (its model cards: factor 4 over the native 32768 positions)
 QWEN25_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
@@ -160,9 +191,11 @@ def build_random(
     import transformers
 
     out = Path(out)
-    cfg = dict(PUBLISHED[name], **overrides)
+    cfg = dict(SHAPES[name], **overrides)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+        if "layer_types" in cfg:
+            cfg["layer_types"] = cfg["layer_types"][:layers]
     tmp = out.with_name(out.name + ".partial")  # complete folders only: an interrupted build is redone
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -238,6 +271,7 @@ def engine_prompt_logits(engine, prompt: list[int], rows=None) -> torch.Tensor:
         return engine.runner.forward_logits(inputs)
     finally:
         engine.pages.release(seq.pages)
+        seq.pages = []  # a made-up sequence: nothing of it stays (a state slot, for hybrid models)
 
 
 def engine_runs(engine, prompts: list[list[int]], new_tokens: int) -> list[Run]:
@@ -433,7 +467,7 @@ def _inputs(args, path: Path, new_tokens: int) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder (config.json + safetensors)")
-    ap.add_argument("--random-shape", choices=sorted(PUBLISHED), help="build a random checkpoint this shape")
+    ap.add_argument("--random-shape", choices=sorted(SHAPES), help="build a random checkpoint this shape")
     ap.add_argument("--out", help="folder of the --random-shape checkpoint (reused when there)")
     ap.add_argument("--layers", type=int, help="--random-shape: layers kept (default: all)")
     ap.add_argument("--dtype", help="engine dtype (default: bfloat16 on a GPU, float32 on a CPU)")

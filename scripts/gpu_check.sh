@@ -2,6 +2,8 @@
 # One GPU round: every gpu-marked test, then the decode-step and weight-sync benchmarks of this tree
 # and of a baseline tree (default .baseline/, e.g. `git archive <commit> rollout scripts | tar -x -C
 # .baseline`) in the same run. Logs under $OUT (default gpu_logs/); exits non-zero if a stage failed.
+# STAGES picks among: tests bench serve (default "tests bench"). serve: the step driver's delivery cost,
+# bench_worker's streamed / Engine.generate and bench_serve's process and thread ratios, 3 runs each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
@@ -33,5 +35,14 @@ if [[ $stages == *bench* ]]; then
     run "sync_$tag" "$tree" python3 scripts/bench_weight_sync.py --models qwen2.5-0.5b --buckets-mb 128 \
       --no-nccl
   done
+fi
+if [[ $stages == *serve* ]]; then
+  for i in 1 2 3; do
+    run "worker_$i" "$PWD" python3 scripts/bench_worker.py --model qwen2.5-0.5b
+    run "serve_$i" "$PWD" python3 scripts/bench_serve.py --model qwen2.5-0.5b --requests 256 --clients 256 \
+      --mode both --client-procs 8 --client-cores 8 --json "$OUT/serve_$i.json"
+  done
+  grep -h "streamed / Engine.generate" "$OUT"/worker_*.log | tee -a "$OUT/summary.txt"
+  grep -h '_ratio"' "$OUT"/serve_*.json | tee -a "$OUT/summary.txt"
 fi
 exit $status

@@ -34,6 +34,21 @@ SHAPES = {
         rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False, vocab_size=152064,
     ),
 }  # fmt: skip
+# Qwen3.5 (hybrid: 3 Gated DeltaNet layers to 1 gated-attention layer), text model of the published
+# checkpoints (scripts/check_fidelity.py: HYBRID)
+QWEN35 = dict(
+    cls="Qwen3_5TextConfig", head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=262144, vocab_size=248320, eos_token_id=248044,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25),
+)  # fmt: skip
+SHAPES["qwen3.5-2b"] = dict(
+    QWEN35, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True,
+)  # fmt: skip
+SHAPES["qwen3.5-9b"] = dict(
+    QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+    num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False,
+)  # fmt: skip
 COMMON = dict(vocab_size=151936, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
 # "<shape>-thin": the shape's layer count, parameter names and flags at a tiny width, so per-tensor host
 # costs (weight sync, loading) can be measured without moving the data
@@ -45,7 +60,7 @@ def shape_of(name: str) -> dict:
     base = name.removesuffix("-thin")
     if base not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)} (each also as NAME-thin)")
-    shape = {**COMMON, **SHAPES[base]}
+    shape = {**COMMON, **SHAPES[base]}  # a shape's own vocabulary and eos win
     return {**shape, **THIN} if name.endswith("-thin") else shape
 
 

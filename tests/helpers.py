@@ -45,3 +45,13 @@ def arrive_one_a_step(engine, requests: list[tuple], every: int = 1) -> tuple[di
         step += 1
     assert engine.stats.requests == 0 and engine.stats.pages_free == engine.stats.pages_total
     return done, ended, mixed
+
+
+def assert_ranks(lp: torch.Tensor, tokens: list[int], ranks: list[int], tol: float = 1e-4) -> None:
+    """Each rank is the count of tokens with a logprob >= the token's own, up to `tol` of rounding
+    between the engine's kernels and transformers' (a near-tie may fall either way)."""
+    chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1))
+    low = (lp > chosen + tol).sum(1) + 1
+    high = (lp >= chosen - tol).sum(1)
+    for r, lo, hi in zip(ranks, low.tolist(), high.tolist()):
+        assert lo <= r <= hi, (ranks, low.tolist(), high.tolist())

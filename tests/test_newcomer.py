@@ -68,6 +68,7 @@ def test_a_stand_in_memory_saver_says_nothing_at_exit(caplog):
     assert not caplog.records
 
 
+@pytest.mark.slow
 def test_building_a_toy_checkpoint_warns_nothing_about_torch_dtype(tmp_path):
     code = f"from rollout.models.toy import build_checkpoint; build_checkpoint({str(tmp_path / 'm')!r})"
     r = subprocess.run(

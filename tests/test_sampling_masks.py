@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PROMPTS
+from helpers import PROMPTS, assert_ranks
 from test_sampling_options import LOGITS, PROMPT, sampler_rows
 from weights_helpers import load_hf
 
@@ -88,9 +88,7 @@ def test_ranks_and_masks_end_to_end_against_transformers(qwen3_dir):
     hf = load_hf(qwen3_dir)
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
-    lp = torch.log_softmax(logits, dim=-1)
-    chosen = lp.gather(1, torch.tensor(out.token_ids).unsqueeze(1))
-    assert out.logprob_ranks == (lp >= chosen).sum(1).tolist()
+    assert_ranks(torch.log_softmax(logits, dim=-1), out.token_ids, out.logprob_ranks)
     assert set(allowed.token_ids) <= {5, 9, 11}
     assert bad.token_ids[0] == greedy.token_ids[0] and bad.token_ids[1] != banned
     with torch.no_grad():

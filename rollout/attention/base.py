@@ -70,10 +70,12 @@ class AttentionBackend(ABC):
 @dataclass
 class ForwardContext:
     """What every layer needs for one step besides its input: the attention backend and its metadata,
-    and for MoE layers the routes' destination and the count of real rows."""
+    and for MoE layers the routes' destination and the count of real rows, and for a model with
+    per-request state (rollout/cache/state.py) the step's StateBatch."""
 
     backend: AttentionBackend
     meta: Any
+    state: Any = None
     routes: Any = None  # a cache.routes.RouteSink when the engine records routed experts
     # a device int scalar: rows at or past it are padding of a captured batch (MoE layers skip them)
     valid_rows: torch.Tensor | None = None

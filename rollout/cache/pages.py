@@ -98,6 +98,16 @@ class PageManager:
             self.refs[page] += 1
         return pages
 
+    def node_of(self, tokens: Sequence[int], salt: Hashable = None) -> int | None:
+        """The node of the cached page that ends `tokens` (whole pages), None unless all are cached."""
+        node, S = self._root(salt), self.page_size
+        for start in range(0, len(tokens), S):
+            page = self.index.get((node, tuple(tokens[start : start + S])))
+            if page is None:
+                return None
+            node = self.page_node[page]
+        return node
+
     def register(
         self, pages: Sequence[int], tokens: Sequence[int], done: int, upto: int, salt: Hashable = None
     ) -> int:

@@ -146,7 +146,8 @@ class SamplingParams:
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
-            logprob_ranks=self.logprobs is not None,  # vLLM reports the sampled token's rank
+            # vLLM reports each token's rank (sampled and prompt tokens)
+            logprob_ranks=self.logprobs is not None or self.prompt_logprobs is not None,
             prompt_logprobs=self.prompt_logprobs,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             repetition_penalty=self.repetition_penalty,
@@ -487,13 +488,14 @@ class LLM:
 
     def _prompt_logprobs(self, out: native.RequestOutput, p: SamplingParams) -> list | None:
         """vLLM's shape: None for the first prompt token, then {token: Logprob} with the prompt token
-        (its rank exact when it is among the top k, else None) and the top k."""
+        (and its rank) and the top k."""
         if p.prompt_logprobs is None or out.prompt_logprobs is None:
             return None
         tops = out.prompt_top_logprobs or [{}] * len(out.prompt_logprobs)
+        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
         positions: list[dict[int, Logprob] | None] = [None]
-        for token, lp, top in zip(out.prompt_token_ids[1:], out.prompt_logprobs, tops):
-            positions.append(self._position(token, lp, top, p.prompt_logprobs, None, p.detokenize))
+        for token, lp, top, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs, tops, ranks):
+            positions.append(self._position(token, lp, top, p.prompt_logprobs, rank, p.detokenize))
         return positions
 
     def _completion(self, c: native.CompletionOutput, p: SamplingParams) -> CompletionOutput:
@@ -525,8 +527,6 @@ class LLM:
         """vLLM's per-position dict: the token with its rank (the engine's count of tokens at least as
         likely), then the top k by rank."""
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
-        if rank is None:  # a prompt token: exact when among the top k
-            rank = next((r for r, (t, _) in enumerate(ranked, start=1) if t == token), None)
         entries = {token: Logprob(logprob, rank, self._decode(token, text))}
         for r, (t, lp) in enumerate(ranked, start=1):
             entries.setdefault(t, Logprob(lp, r, self._decode(t, text)))

@@ -40,7 +40,7 @@ from rollout.engine.requests import RequestMaker
 from rollout.engine.results import request_output, routed_experts, token_deltas
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
-from rollout.engine.sizing import check_max_model_len, make_kv_pool, make_route_store
+from rollout.engine.sizing import check_max_model_len, make_kv_pool, make_route_store, make_state_pool
 from rollout.engine.stats import EngineStats
 from rollout.engine.stop import StopChecker
 from rollout.engine.trainer import TrainerMethods
@@ -50,6 +50,7 @@ from rollout.models.config import ModelConfig
 from rollout.models.registry import model_class
 from rollout.outputs import RequestOutput, TokenDelta
 from rollout.runner.model_runner import ModelRunner
+from rollout.runner.state_slots import Snapshots
 from rollout.sampling import SamplingParams
 from rollout.state.sequence import Sequence
 from rollout.weights.loader import build_model, load_checkpoint
@@ -105,9 +106,16 @@ class Engine(TrainerMethods):
         eos_ids = frozenset(mc.eos_token_ids or tokenizer_eos(self.tokenizer))
         with saver.region("kv_cache"):
             self.kv = make_kv_pool(cfg, mc, tp, self.device, self.dtype, self.model, self.lora)
+            # a model with per-request state (linear attention) declares it; it lives beside the pages
+            self.state = make_state_pool(cfg, self.model, self.device)
         self.routes = make_route_store(cfg, mc, self.kv, self.device)
         done("kv_cache")
         self.pages = PageManager(self.kv.num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        # a recurrent state cannot be cut at any cached page: prefixes are shared where it was kept
+        snapshots = None
+        if self.state is not None:
+            running = cfg.max_running_requests
+            snapshots = Snapshots(self.pages, running, self.state.num_slots - running)
         self.scheduler = Scheduler(
             self.pages,
             StopChecker(eos_ids, self.tokenizer),
@@ -115,6 +123,7 @@ class Engine(TrainerMethods):
             max_prefill_tokens=cfg.max_prefill_tokens,
             mixed=cfg.mixed_chunk,
             routes=self.routes,
+            snapshots=snapshots,
         )
         self.backend_name = resolve_backend_name(cfg.attention_backend, self.device, self.dtype, mc.head_dim)
         backend = backend_class(self.backend_name)(
@@ -130,13 +139,16 @@ class Engine(TrainerMethods):
             lora=self.lora,
             eos_ids=eos_ids,
             routes=self.routes,
+            state=self.state,
+            state_slots=cfg.max_running_requests,
+            snapshots=snapshots,
         )
         done("runner")  # scheduler, attention backend, model runner
         if cfg.cuda_graph and self.device.type == "cuda" and backend.supports_cuda_graph:
             max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
             self.runner.capture_graphs(max_bs, mc.hidden_size, self.dtype, saver.cuda_graph)
         done("cuda_graphs")
-        self.memory = MemoryManager(saver, self.device, self.model, self.kv)
+        self.memory = MemoryManager(saver, self.device, self.model, self.kv, self.state)
         self.weights = WeightManager(self.model, mc, self.device, tp)
         self.request_maker = RequestMaker(cfg.seed, self.lora)
         overlap = cfg.overlap_schedule

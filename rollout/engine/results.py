@@ -33,6 +33,7 @@ def _prompt_logprobs(req: Request) -> dict:
     return {
         "prompt_logprobs": list(lead.scoring.logprobs),
         "prompt_top_logprobs": list(lead.scoring.top) if want else None,
+        "prompt_logprob_ranks": list(lead.scoring.ranks) if req.params.logprob_ranks else None,
     }
 
 
@@ -48,7 +49,7 @@ def _whole(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         stop_reason=seq.stop.reason,
         weight_versions=list(seq.weight_versions),
         routed_experts=routed_experts(seq) if p.return_routed_experts else None,
-        logprob_ranks=list(seq.logprob_ranks) if p.logprob_ranks else None,
+        logprob_ranks=list(seq.logprob_ranks) if p.sample_ranks else None,
     )
 
 
@@ -87,7 +88,7 @@ def _delta(seq: Sequence, tokenizer: Any) -> CompletionOutput:
         weight_versions=seq.weight_versions[start:end],
         # a stream's routes come whole with its last delta (they are read when its pages are freed)
         routed_experts=routed_experts(seq) if p.return_routed_experts and seq.finish_reason else None,
-        logprob_ranks=seq.logprob_ranks[start:end] if p.logprob_ranks else None,
+        logprob_ranks=seq.logprob_ranks[start:end] if p.sample_ranks else None,
     )
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from rollout.cache.pages import PageManager
 from rollout.engine.stop import StopChecker
 from rollout.runner.batch import StepOutput
+from rollout.runner.state_slots import Snapshots, snapshot_point
 from rollout.state.scheduled import ScheduledBatch
 from rollout.state.sequence import PENDING, Request, Sequence, Status
 
@@ -42,9 +43,12 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         mixed: bool = True,
+        snapshots: Snapshots | None = None,
         routes: RouteStore | None = None,
     ):
         self.pages, self.stops, self.routes = pages, stops, routes
+        # a model with per-request state: a cached prefix is shared only where its state was kept
+        self.snapshots = snapshots
         self.max_running, self.max_prefill_tokens, self.mixed = max_running, max_prefill_tokens, mixed
         self.requests: dict[Hashable, Request] = {}  # in flight
         self.waiting: deque[Sequence] = deque()
@@ -91,7 +95,7 @@ class Scheduler:
         budget, seqs, chunks, decoding = self.max_prefill_tokens, [], [], []
         for seq in self.running:  # finish prefills already under way first (their pages are reserved)
             if seq.needs > 1 and budget > 0:
-                chunk = min(seq.needs, budget)
+                chunk = self._chunk(seq, budget)
                 seqs.append(seq), chunks.append(chunk)
                 budget -= chunk
             elif seq.needs == 1:
@@ -103,7 +107,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            chunk = min(seq.needs, budget)
+            chunk = self._chunk(seq, budget)
             seqs.append(seq), chunks.append(chunk)
             budget -= chunk
         if not seqs:
@@ -112,6 +116,16 @@ class Scheduler:
         # into waits for the next decode step, which preempts to make room
         riders = [s for s in decoding if not _ends_in_flight(s) and self._grow(s)] if self.mixed else []
         return ScheduledBatch(seqs + riders, chunks + [1] * len(riders), decode=False, decodes=len(riders))
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step. With per-request state, a prompt whose followers will share
+        it stops at its snapshot point once, so that the state there can be kept (cache/state.py)."""
+        chunk = min(seq.needs, budget)
+        if self.snapshots is not None and seq.followers:
+            point = snapshot_point(seq, self.pages.page_size)
+            if seq.num_computed < point:
+                chunk = min(chunk, point - seq.num_computed)
+        return chunk
 
     def _admit(self, seq: Sequence) -> bool:
         """Reserve pages for all of `seq`'s tokens, keeping one spare page per running sequence so the
@@ -154,6 +168,11 @@ class Scheduler:
             keep = (seq.scoring.start - 1) // self.pages.page_size
             self.pages.release(pages[keep:])
             pages = pages[:keep]
+        if self.snapshots is not None and pages:  # the state after the prefix must be kept, or no sharing
+            seq.state_from = self.snapshots.find(pages[-1])
+            if seq.state_from is None:
+                self.pages.release(pages)
+                pages = []
         seq.pages, seq.num_indexed_pages = pages, len(pages)
         seq.num_computed = len(pages) * self.pages.page_size
 
@@ -172,6 +191,7 @@ class Scheduler:
             self._keep_routes(seq)
         self.pages.release(seq.pages)
         seq.pages, seq.num_computed, seq.num_indexed_pages = [], 0, 0
+        seq.state_from = None
 
     def _keep_routes(self, seq: Sequence) -> None:
         """Read the routes of the computed tokens not read yet, before their slots go: a preempted
@@ -264,7 +284,7 @@ class Scheduler:
                 seq.logprobs.append(out.logprobs[i])
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(dict(list(out.top[i].items())[: seq.params.top_logprobs]))
-            if seq.params.logprob_ranks:
+            if seq.params.sample_ranks:
                 seq.logprob_ranks.append(out.ranks[i])
             if self.stops.check(seq):
                 self._finish(seq)
@@ -319,7 +339,9 @@ def _add_prompt_logprobs(batch: ScheduledBatch, pieces: dict) -> None:
         seq = batch.seqs[i]
         scoring = seq.scoring
         keep = piece.first - scoring.start
-        del scoring.logprobs[keep:], scoring.top[keep:]
+        del scoring.logprobs[keep:], scoring.top[keep:], scoring.ranks[keep:]
         scoring.logprobs += piece.logprobs
+        if piece.ranks is not None:
+            scoring.ranks += piece.ranks
         if piece.top is not None:
             scoring.top += piece.top

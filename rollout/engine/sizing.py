@@ -9,6 +9,7 @@ import torch
 
 from rollout.cache.pool import KVPool
 from rollout.cache.routes import RouteStore
+from rollout.cache.state import StatePool, StateShapes
 from rollout.config import EngineConfig
 from rollout.distributed import TPGroup
 from rollout.models.config import ModelConfig
@@ -27,6 +28,24 @@ def check_max_model_len(mc: ModelConfig, limit: int | None) -> int:
     return limit or cap
 
 
+def state_slots(cfg: EngineConfig) -> int:
+    """State slots of a model with per-request state (cache/state.py): one per running request, and
+    snapshots of shared prompts: one per prompt whose samples wait for its prefill, a quarter of the
+    running requests (n >= 4 per prompt), at least 4."""
+    n = cfg.max_running_requests
+    return n + max(4, n // 4)
+
+
+def state_shapes(model: torch.nn.Module) -> StateShapes | None:
+    """The per-request state the model declares (linear-attention layers), None for a model without."""
+    return model.state_shapes() if hasattr(model, "state_shapes") else None
+
+
+def make_state_pool(cfg: EngineConfig, model: torch.nn.Module, device: torch.device) -> StatePool | None:
+    shapes = state_shapes(model)
+    return StatePool(shapes, state_slots(cfg), device) if shapes else None
+
+
 def make_kv_pool(
     cfg: EngineConfig,
     mc: ModelConfig,
@@ -38,7 +57,8 @@ def make_kv_pool(
 ) -> KVPool:
     """The KV pool, its pages equal on the ranks of a tensor-parallel group."""
     kv_heads = tp.shard(mc.num_kv_heads, "num_key_value_heads")
-    page_bytes = KVPool.bytes_per_page(mc.num_layers, cfg.page_size, kv_heads, mc.head_dim, dtype)
+    kv_layers = getattr(model, "num_kv_layers", mc.num_layers)  # hybrids: the attention layers only
+    page_bytes = KVPool.bytes_per_page(kv_layers, cfg.page_size, kv_heads, mc.head_dim, dtype)
     if cfg.max_total_tokens is not None:
         num_pages = -(-cfg.max_total_tokens // cfg.page_size)
     elif device.type == "cuda":
@@ -47,6 +67,9 @@ def make_kv_pool(
         free, total = torch.cuda.mem_get_info(device)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
         weights += lora.nbytes if lora is not None else 0
+        shapes = state_shapes(model)
+        if shapes:  # the state slots come out of the same budget as the pages
+            weights += StatePool.bytes_per_slot(shapes) * (state_slots(cfg) + 1)
         budget = min(total * cfg.mem_fraction - weights, free) - GPU_RESERVE_BYTES
         num_pages = int(budget // page_bytes) - 1  # the pool adds one scratch page
         if num_pages * cfg.page_size < 2 * cfg.page_size:
@@ -58,7 +81,7 @@ def make_kv_pool(
     else:
         num_pages = CPU_DEFAULT_TOKENS // cfg.page_size
     num_pages = tp.min_int(num_pages)  # ranks of a group must schedule over equal pools
-    return KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, dtype, device)
+    return KVPool(kv_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, dtype, device)
 
 
 def make_route_store(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.cache.pool import KVPool
+from rollout.cache.state import StatePool
 from rollout.memory.host_copy import HostCopy
 from rollout.memory.saver import TAGS, MemorySaver
 
@@ -30,8 +31,16 @@ class TagActions:
 
 
 class MemoryManager:
-    def __init__(self, saver: MemorySaver, device: torch.device, model: torch.nn.Module, kv: KVPool):
+    def __init__(
+        self,
+        saver: MemorySaver,
+        device: torch.device,
+        model: torch.nn.Module,
+        kv: KVPool,
+        state: StatePool | None = None,
+    ):
         self.saver, self.device, self.model, self.kv = saver, device, model, kv
+        self.state = state  # per-request state slots, released and resumed with the KV pages
         self._released: set[str] = set()
         self._params_copy: HostCopy | None = None
         self._buffers_copy: HostCopy | None = None  # buffers (rotary tables) no trainer sends: always kept
@@ -140,6 +149,9 @@ class MemoryManager:
         if self.device.type == "cpu":
             nbytes = self.kv.nbytes
             self.kv.free()
+            if self.state is not None:
+                nbytes += self.state.nbytes
+                self.state.free()
             return nbytes
         self._warn_no_saver()  # CUDA graphs may hold the pool's address: keep it
         return 0
@@ -148,11 +160,17 @@ class MemoryManager:
         if self.saver.enabled:
             restored = self._resume("kv_cache")
             self.kv.data.zero_()  # resumed pages hold arbitrary bit patterns (NaN included)
+            if self.state is not None:
+                self.state.zero()
             return restored
+        restored = 0
         if self.kv.data is None:
             self.kv.allocate()
-            return self.kv.nbytes
-        return 0
+            restored += self.kv.nbytes
+        if self.state is not None and self.state.tensors is None:
+            self.state.allocate()
+            restored += self.state.nbytes
+        return restored
 
     def _pause_only(self, tag: str) -> Callable[[], int]:
         return lambda: self._pause(tag) if self.saver.enabled else 0

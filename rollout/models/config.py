@@ -81,6 +81,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any, generation: dict[str, Any], source: str = "config.json") -> ModelConfig:
         arch = hf.architectures[0]
+        top, hf = hf, hf.get_text_config()  # the text model's config (itself for a text-only model)
         num_heads, num_kv_heads = hf.num_attention_heads, hf.num_key_value_heads
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -110,15 +111,16 @@ class ModelConfig:
             rope_theta=float(params["rope_theta"]),
             rope_scaling=None if kind == "default" else dict(params, rope_type=kind),
             max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            # the checkpoint's own class reads it from its config: the top one of a vision-language model
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
             # Qwen2-MoE reads `qkv_bias` (default true) and never biases o_proj
             qkv_bias=qwen2 or attn_bias or arch == "Qwen2MoeForCausalLM" and bool(hf.qkv_bias),
             o_bias=attn_bias and not qwen2,
             mlp_bias=arch == "LlamaForCausalLM" and bool(getattr(hf, "mlp_bias", False)),
             qk_norm=arch in QK_NORM,
             sliding_window=_sliding_window(hf, arch),
-            eos_token_ids=_eos_ids(hf.eos_token_id, generation),
-            torch_dtype=_dtype_name(hf),
+            eos_token_ids=_eos_ids(_first(hf, top, "eos_token_id"), generation),
+            torch_dtype=_dtype_name(hf) or _dtype_name(top),
             moe=moe,
             moe_layers=moe_layers,
             hf_config=hf,
@@ -168,7 +170,8 @@ def check_fields(cfg: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source}: no 'architectures' entry; cannot tell which model to build")
     if archs[0] not in MODELS:
         raise ValueError(f"{source}: unsupported architecture {archs[0]!r}; supported: {sorted(MODELS)}")
-    missing = [k for k in REQUIRED if cfg.get(k) is None]
+    text = cfg.get("text_config") or cfg  # a vision-language checkpoint keeps its text model's shape there
+    missing = [k for k in REQUIRED if cfg.get(k) is None and text.get(k) is None]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing} for {archs[0]}")
 
@@ -195,6 +198,13 @@ def _sliding_window(hf: Any, arch: str) -> int | None:
     if types is not None and "sliding_attention" not in types:
         return None
     return getattr(hf, "sliding_window", None)
+
+
+def _first(text: Any, top: Any, name: str) -> Any:
+    """A field of the text config, else of the checkpoint's top config (vision-language checkpoints keep
+    some at the top), else None."""
+    value = getattr(text, name, None)
+    return value if value is not None else getattr(top, name, None)
 
 
 def _dtype_name(hf: Any) -> str | None:

@@ -13,6 +13,9 @@ MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "rollout.models.llama:LlamaForCausalLM",
     "Qwen2MoeForCausalLM": "rollout.models.qwen_moe:QwenMoeForCausalLM",
     "Qwen3MoeForCausalLM": "rollout.models.qwen_moe:QwenMoeForCausalLM",
+    "Qwen3_5ForCausalLM": "rollout.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "rollout.models.qwen3_5:Qwen3_5TextOfConditionalGeneration",
+    "Qwen3NextForCausalLM": "rollout.models.qwen3_5:Qwen3NextForCausalLM",
 }
 
 

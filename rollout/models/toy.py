@@ -26,9 +26,16 @@ ARCH_CONFIGS = {
     "qwen3": "Qwen3Config",
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_5": "Qwen3_5TextConfig",  # hybrid: Gated DeltaNet + gated attention, 3 to 1
+    "qwen3_next": "Qwen3NextConfig",  # the same mixers; its MLP is dense here (num_experts=0)
 }
 # the sparse blocks of the tiny MoE models: enough experts that top-k is a real choice
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# the linear-attention shape of the hybrids' tiny configs (GQA-like: 2 key heads for 4 value heads)
+HYBRID = dict(
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+)  # fmt: skip
 
 
 def build_tokenizer(folder: str | Path) -> Any:
@@ -81,6 +88,10 @@ def tiny_config(arch: str = "qwen3", *, vocab_size: int | None = None, **overrid
         base["shared_expert_intermediate_size"] = 48
     if arch == "mistral":
         base["sliding_window"] = None
+    if arch in ("qwen3_5", "qwen3_next"):
+        base.update(HYBRID, num_hidden_layers=4)  # layers 0-2 linear attention, layer 3 full attention
+    if arch == "qwen3_next":
+        base["num_experts"] = 0
     base.update(overrides)
     cfg = getattr(transformers, ARCH_CONFIGS[arch])(**base)
     cfg.dtype = "float32"

@@ -21,6 +21,7 @@ class StepInputs:
     sampling: SamplingBatch | None
     graph_bs: int | None = None  # set when a captured graph runs the step (tensors are its buffers)
     lora_slots: torch.Tensor | None = None  # int64 [T]: each token's LoRA slot (None: no adapter used)
+    state: Any = None  # a cache.state.StateBatch when the model keeps per-request state
 
 
 @dataclass
@@ -36,6 +37,8 @@ class HostBatch:
     page_table: np.ndarray  # int32 [B, max_pages]
     sampled: np.ndarray  # int64 [N]: batch rows that sample a token this step
     token_slots: np.ndarray | None = None  # int64 [T]: LoRA slot per token (None: every token on the base)
+    state_slots: np.ndarray | None = None  # int64 [B]: each sequence's state slot (models with state)
+    fresh: np.ndarray | None = None  # bool [B]: its chunk starts at token 0 (a zero state)
     # a decode step of the same sequences as the last one, run the same way (the same CUDA graph, or
     # eagerly): its LoRA slots are as then, and with same_pages its page table too (no sequence entered a
     # new page), so a graph's copies of them may be skipped

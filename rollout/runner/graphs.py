@@ -28,6 +28,7 @@ import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
 from rollout.cache.routes import RouteStore
+from rollout.cache.state import StateBatch, StatePool
 from rollout.lora.layers import LoraState
 from rollout.runner.batch import HostBatch, StepInputs
 from rollout.runner.sampler import SamplingBatch
@@ -71,6 +72,7 @@ class GraphRunner:
         capture_context: CaptureContext | None = None,
         lora: LoraState | None = None,
         routes: RouteStore | None = None,
+        state: StatePool | None = None,
     ):
         if not backend.supports_cuda_graph:
             raise ValueError(f"attention backend {type(backend).__name__} cannot run in CUDA graphs")
@@ -88,6 +90,9 @@ class GraphRunner:
         self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
         self.lora, self.routes = lora, routes
         self.lora_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=device) if lora else None
+        # per-request state (models that keep one): each row's slot; padding rows use the scratch slot
+        self.state = state
+        self.state_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=device) if state else None
         self.graphs: dict[int, Any] = {}
         self.pool: Any = None
         self.capture_seconds = 0.0
@@ -122,7 +127,7 @@ class GraphRunner:
         self.seq_lens[:bs].fill_(1)
         self.page_table[:bs, 0].fill_(self.scratch_page)
         attn = self._attn(bs, [1] * bs, np.full((bs, 1), self.scratch_page, dtype=np.int32))
-        meta = self.backend.begin_graph(attn)
+        meta, state = self.backend.begin_graph(attn), self._state_batch(bs)
         ids, positions = self.longs[:bs], self.longs[bs : 2 * bs]
         # padding rows write their routes to the scratch page, like their k/v
         routes = self.routes.sink(attn.slot_mapping) if self.routes is not None else None
@@ -132,12 +137,19 @@ class GraphRunner:
                 self.lora.begin(self.lora_slots[:bs])
             # real rows have seq_len >= 1, padding rows 0: MoE layers give the padding no expert work
             valid = (self.seq_lens[:bs] > 0).sum()
-            ctx = ForwardContext(self.backend, meta, routes=routes, valid_rows=valid)
+            ctx = ForwardContext(self.backend, meta, state, routes=routes, valid_rows=valid)
             self.hidden[:bs].copy_(self.model(ids, positions, ctx))
 
         with torch.inference_mode():
             run()  # warm-up outside the graph: compiles kernels, settles allocations
             return self._record(run)
+
+    def _state_batch(self, bs: int) -> StateBatch | None:
+        if self.state is None:
+            return None
+        self.state_slots[:bs].fill_(self.state.scratch_slot)
+        fresh = torch.zeros(bs, dtype=torch.bool, device=self.device)
+        return StateBatch(self.state, self.state_slots[:bs], fresh, [1] * bs, self.cu_seqlens[: bs + 1], True)
 
     def _record(self, run: Callable[[], None]) -> Any:
         """A CUDA graph of `run` (CPU tests substitute one that re-runs it eagerly on replay)."""
@@ -190,6 +202,10 @@ class GraphRunner:
             if host.token_slots is not None:
                 lora_slots[:B] = host.token_slots
             self.lora_slots[:bs].copy_(self._host(lora_slots), non_blocking=True)
+        if self.state_slots is not None and not (kept and host.same_seqs):
+            state_slots = np.full(bs, self.state.scratch_slot, dtype=np.int64)
+            state_slots[:B] = host.state_slots
+            self.state_slots[:bs].copy_(self._host(state_slots), non_blocking=True)
         attn = self._attn(bs, seq_lens.tolist(), table)
         attn.same_pages = kept and host.same_pages
         return StepInputs(self.longs[:bs], self.longs[bs : 2 * bs], attn, slice(0, B), sampling, graph_bs=bs)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch, ForwardContext
+from rollout.cache.state import StateBatch, StatePool
 from rollout.device.staging import Staging, to_device
 from rollout.runner.batch import HostBatch, StepInputs, StepOutput
 from rollout.runner.graphs import CaptureContext, GraphRunner
@@ -28,6 +29,7 @@ from rollout.runner.logit_adjust import LogitAdjust
 from rollout.runner.page_table import HostPageTable
 from rollout.runner.prompt_logprobs import prompt_logprobs
 from rollout.runner.sampler import SampleResult, SamplingBatch, sample
+from rollout.runner.state_slots import SlotTable, Snapshots, snapshot_point
 from rollout.state.sequence import Sequence, draws, hashed_uniforms, seeds, uniforms
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ class _DecodeState:
     sampling: SamplingBatch
     token_slots: np.ndarray | None
     graph_bs: int | None  # the CUDA graph that ran it (None: eager)
+    state_slots: np.ndarray | None = None
 
 
 @dataclass
@@ -105,8 +108,14 @@ class ModelRunner:
         max_running: int = 256,
         lora: LoraManager | None = None,
         eos_ids: frozenset[int] = frozenset(),
+        state: StatePool | None = None,
+        state_slots: int = 0,
+        snapshots: Snapshots | None = None,
         routes: RouteStore | None = None,
     ):
+        # per-request state of the model (None: it keeps none); a sequence's slot comes from state_slots
+        self.state, self.snapshots = state, snapshots
+        self.state_slots = SlotTable(state_slots) if state is not None else None
         self.lora = lora  # adapter slots (None: LoRA off)
         self.routes = routes  # where MoE layers record their routed experts (None: not recorded)
         self.model, self.backend, self.vocab_size, self.device = model, backend, vocab_size, device
@@ -122,6 +131,12 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget the kept decode batch (the engine calls it around weight, memory and adapter changes,
         so nothing kept outlives them; a kept batch also checks itself every step)."""
+        self._decode = None
+
+    def reset_state(self) -> None:
+        """Forget every state slot (the pool was released: nothing in flight holds one)."""
+        if self.state_slots is not None:
+            self.state_slots.reset()
         self._decode = None
 
     def capture_graphs(
@@ -140,6 +155,7 @@ class ModelRunner:
             capture_context=capture,
             lora=self.lora.state if self.lora is not None else None,
             routes=self.routes,
+            state=self.state,
         )
         self.graphs.capture()
 
@@ -166,7 +182,34 @@ class ModelRunner:
         owner = np.repeat(np.arange(B), batch.chunks) if not batch.decode else np.arange(B)
         slots = table[owner, positions // S].astype(np.int64) * S + positions % S
         lora = self._token_slots(seqs, owner)
-        return HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
+        host = HostBatch(batch.decode, ids, positions, slots, seq_lens, batch.chunks, table, sampled, lora)
+        if self.state_slots is not None:
+            host.state_slots, host.fresh = self.state_slots.slots(seqs), starts == 0
+            self._copy_in(seqs, host.state_slots)
+        return host
+
+    def _copy_in(self, seqs: list[Sequence], slots: np.ndarray) -> None:
+        """Sequences that share a cached prefix start from its kept state (copied before the step)."""
+        rows = [i for i, s in enumerate(seqs) if s.state_from is not None]
+        if rows:
+            src = np.array([seqs[i].state_from for i in rows], dtype=np.int64)
+            self.state.copy(*to_device([src, slots[rows]], self.device, self.staging))
+            for i in rows:
+                seqs[i].state_from = None
+
+    def _snapshot_out(self, batch: ScheduledBatch, slots: np.ndarray | None) -> None:
+        """Keep the state of prompts with followers at their snapshot point (cache/state.py)."""
+        if self.snapshots is None or batch.decode:
+            return
+        src, dst = [], []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            point = snapshot_point(seq, self.page_size) if seq.followers else 0
+            slot = self.snapshots.take(seq, point) if point and seq.num_computed + chunk == point else None
+            if slot is not None:
+                src.append(slots[i])
+                dst.append(slot)
+        if src:
+            self.state.copy(*to_device([np.array(src), np.array(dst)], self.device, self.staging))
 
     def _token_slots(self, seqs: list, owner: np.ndarray) -> np.ndarray | None:
         """Each token's LoRA slot (from its sequence's lora_name); None when no token uses an adapter."""
@@ -229,7 +272,9 @@ class ModelRunner:
             sd, dr = seeds(seqs), draws(seqs)
             sampling = self._sampling(seqs, hashed_uniforms(sd, dr))
             graph_bs = self._graph_bs(host)
-            self._decode = _DecodeState(seq_ids, rows, starts, sd, dr, sampling, host.token_slots, graph_bs)
+            self._decode = _DecodeState(
+                seq_ids, rows, starts, sd, dr, sampling, host.token_slots, graph_bs, host.state_slots
+            )
             return host, sampling, seq_ids
         S = self.page_size
         entered = np.flatnonzero(starts % S == 0)  # these sequences' new token starts a new page
@@ -241,8 +286,10 @@ class ModelRunner:
         ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
         host = HostBatch(
             True, ids, starts, slots, seq_lens, [1] * len(seqs), table, np.arange(len(seqs)),
-            state.token_slots,
+            state.token_slots, state.state_slots,
         )  # fmt: skip
+        if state.state_slots is not None:
+            host.fresh = np.zeros(len(seqs), dtype=bool)
         graph_bs = self._graph_bs(host)
         host.same_seqs = graph_bs == state.graph_bs  # and the same path: a graph's buffers hold them
         host.same_pages = host.same_seqs and not len(entered)
@@ -269,11 +316,17 @@ class ModelRunner:
             host.seq_lens.astype(np.int32),
             cu,
         ]
+        if host.state_slots is not None:
+            arrays += [host.state_slots, host.fresh.astype(bool)]
         if host.token_slots is not None:
             arrays.append(host.token_slots)
-        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *lora = to_device(
+        ids, positions, slots, rows, page_table, seq_lens, cu_seqlens, *rest = to_device(
             arrays, self.device, self.staging
         )
+        state = None
+        if host.state_slots is not None:
+            state_slots, fresh, *rest = rest
+            state = StateBatch(self.state, state_slots, fresh, host.q_lens, cu_seqlens, host.decode)
         attn = AttnBatch(
             decode=host.decode,
             q_lens=host.q_lens,
@@ -288,7 +341,8 @@ class ModelRunner:
         )
         # decode samples every row: a slice avoids a gather
         logit_rows = slice(0, B) if host.decode else rows
-        return StepInputs(ids, positions, attn, logit_rows, sampling, lora_slots=lora[0] if lora else None)
+        lora = rest[0] if rest else None
+        return StepInputs(ids, positions, attn, logit_rows, sampling, lora_slots=lora, state=state)
 
     # -- device side ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -301,7 +355,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.state.begin(inputs.lora_slots)
         routes = self.routes.sink(inputs.attn.slot_mapping) if self.routes is not None else None
-        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn), routes=routes)
+        ctx = ForwardContext(self.backend, self.backend.begin(inputs.attn), inputs.state, routes=routes)
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
     @torch.inference_mode()
@@ -315,6 +369,7 @@ class ModelRunner:
         in flight, whose sampled tokens are this decode step's pending input ids."""
         inputs, host, seq_ids = self._prepare(batch, prev)
         hidden = self.forward_hidden(inputs)
+        self._snapshot_out(batch, host.state_slots)
         # logprobs of given tokens at the chunk's positions (runner/prompt_logprobs.py), before sampling
         prompt = prompt_logprobs(self.model, hidden, batch, self.vocab_size)
         sampled = host.sampled.tolist()

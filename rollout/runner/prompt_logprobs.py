@@ -27,6 +27,7 @@ class PromptPiece:
     first: int  # index in the sequence's token_ids of the first token scored
     logprobs: list[float]
     top: list[dict[int, float]] | None
+    ranks: list[int] | None = None  # with SamplingParams.logprob_ranks: tokens at least as likely
 
 
 def scored_rows(batch: ScheduledBatch) -> list[tuple[int, int, int, int]]:
@@ -58,6 +59,7 @@ def prompt_logprobs(
         return None
     device = hidden.device
     rows, targets, scales, tops = [], [], [], []
+    ranked = any(batch.seqs[i].params.logprob_ranks for i, _, _, _ in wanted)
     for i, row, pos, count in wanted:
         seq = batch.seqs[i]
         rows.append(torch.arange(row, row + count))
@@ -69,12 +71,15 @@ def prompt_logprobs(
     target_t = torch.tensor(targets, dtype=torch.int64, device=device)
     scale_t = torch.tensor(scales, dtype=torch.float32, device=device)
     k = max(tops)
-    lps, top_lp, top_ids = [], [], []
+    lps, top_lp, top_ids, ranks = [], [], [], []
     block = max(1, LOGIT_BLOCK_BYTES // (4 * vocab_size))
     for a in range(0, len(targets), block):
         logits = model.logits(hidden[rows_t[a : a + block]])
         lp = torch.log_softmax(logits / scale_t[a : a + block].unsqueeze(1), dim=-1)
-        lps.append(lp.gather(1, target_t[a : a + block].unsqueeze(1)).squeeze(1))
+        chosen = lp.gather(1, target_t[a : a + block].unsqueeze(1))
+        lps.append(chosen.squeeze(1))
+        if ranked:
+            ranks.append((lp >= chosen).sum(dim=1))
         if k:
             v, ix = lp.topk(k, dim=-1)
             top_lp.append(v)
@@ -82,11 +87,13 @@ def prompt_logprobs(
     flat = torch.cat(lps).tolist()  # one copy to the host
     top_v = torch.cat(top_lp).tolist() if k else None
     top_i = torch.cat(top_ids).tolist() if k else None
+    rank_l = torch.cat(ranks).tolist() if ranked else None
     pieces, at = {}, 0
     for (i, _, pos, count), want in zip(wanted, tops):
         top = None
         if want:
             top = [dict(zip(top_i[j][:want], top_v[j][:want])) for j in range(at, at + count)]
-        pieces[i] = PromptPiece(pos + 1, flat[at : at + count], top)
+        rank = rank_l[at : at + count] if rank_l is not None and batch.seqs[i].params.logprob_ranks else None
+        pieces[i] = PromptPiece(pos + 1, flat[at : at + count], top, rank)
         at += count
     return pieces

@@ -91,7 +91,7 @@ class SamplingBatch:
             num_top_logprobs=max(p.top_logprobs for p in distinct),
             adjusts_logits=any(p.adjusts_logits for p in distinct),
             processed=processed[0] if any_processed else None,
-            logprob_ranks=any(p.logprob_ranks for p in distinct),
+            logprob_ranks=any(p.sample_ranks for p in distinct),
         )
 
 

@@ -542,6 +542,10 @@ async def _update_from_tensor(engine: AsyncFront, r: P.TensorUpdateRequest, allo
         )
     entry = r.serialized_named_tensors[rank]
     named = await asyncio.to_thread(wire.decode, entry, r.format, allow_pickle=allow_pickle)
+    if r.format == "cuda_ipc" and hasattr(engine, "pid"):
+        # the engine is in a worker process: hand it a copy of memory this process opened from the
+        # trainer's handles (CUDA IPC does not promise that an imported allocation can be exported again)
+        named = [(name, t.clone()) for name, t in named]
     return await engine.update_weights_from_tensor(named, r.load_format, abort=r.abort_all_requests)
 
 

@@ -49,6 +49,7 @@ class Scoring:
     only: bool = False  # Engine.score: finish after the prefill, sample nothing
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)  # each token's top_logprobs
+    ranks: list[int] = field(default_factory=list)  # with SamplingParams.logprob_ranks
 
 
 @dataclass(eq=False)
@@ -84,6 +85,9 @@ class Sequence:
     # (int32 [n, moe layers, top_k] pieces; a preemption keeps those computed before it)
     routes: list[Any] = field(default_factory=list)
     num_routes: int = 0  # rows in `routes`
+    # models with per-request state (cache/state.py): the snapshot slot its state starts from, set when
+    # it shares a cached prefix; the runner copies it into the sequence's own slot before its first chunk
+    state_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
