@@ -41,7 +41,7 @@ from rollout.engine.results import request_output, routed_experts, token_deltas
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.scoring import ScoreOutput, check_score_inputs, score_groups, score_output
 from rollout.engine.sizing import check_max_model_len, make_kv_pool, make_route_store, make_state_pool
-from rollout.engine.stats import EngineStats
+from rollout.engine.stats import EngineStats, engine_stats
 from rollout.engine.stop import StopChecker
 from rollout.engine.trainer import TrainerMethods
 from rollout.lora import LoraManager
@@ -204,22 +204,7 @@ class Engine(TrainerMethods):
     @property
     def stats(self) -> EngineStats:
         """A snapshot of the requests, pages, steps and graph replays (read-only)."""
-        sched, pages = self.scheduler, self.pages
-        return EngineStats(
-            requests=len(sched.requests),
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            pages_total=pages.num_pages,
-            pages_free=pages.available(),
-            pages_cached=len(pages.index),
-            page_size=pages.page_size,
-            **self.pipeline.totals,
-            preemptions=sched.num_preemptions,
-            graph_steps=self.runner.graph_steps,
-            eager_steps=self.runner.eager_steps,
-            weight_version=self.weights.version,
-            released_tags=self.memory.released,
-        )
+        return engine_stats(self)
 
     # -- requests ---------------------------------------------------------------------------------
     @serialised(keeps_step_in_flight=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,23 @@ class EngineStats:
     eager_steps: int
     weight_version: int
     released_tags: frozenset[str]
+
+
+def engine_stats(engine: Any) -> EngineStats:
+    """`engine.stats`: read from its scheduler, pages, pipeline, runner and managers."""
+    sched, pages = engine.scheduler, engine.pages
+    return EngineStats(
+        requests=len(sched.requests),
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        pages_total=pages.num_pages,
+        pages_free=pages.available(),
+        pages_cached=len(pages.index),
+        page_size=pages.page_size,
+        **engine.pipeline.totals,
+        preemptions=sched.num_preemptions,
+        graph_steps=engine.runner.graph_steps,
+        eager_steps=engine.runner.eager_steps,
+        weight_version=engine.weights.version,
+        released_tags=engine.memory.released,
+    )
