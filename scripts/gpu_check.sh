@@ -2,8 +2,11 @@
 # One GPU round: every gpu-marked test, then the decode-step and weight-sync benchmarks of this tree
 # and of a baseline tree (default .baseline/, e.g. `git archive <commit> rollout scripts | tar -x -C
 # .baseline`) in the same run. Logs under $OUT (default gpu_logs/); exits non-zero if a stage failed.
-# STAGES picks among: tests bench serve (default "tests bench"). serve: the step driver's delivery cost,
-# bench_worker's streamed / Engine.generate and bench_serve's process and thread ratios, 3 runs each.
+# STAGES picks among: tests bench serve fidelity hybrid moe (default "tests bench"). serve: the step
+# driver's delivery cost, bench_worker's streamed / Engine.generate and bench_serve's process and thread
+# ratios, 3 runs each. fidelity: check_fidelity at the Qwen3.5-2B/9B and Qwen3-30B-A3B shapes (4 layers).
+# hybrid: the Qwen3.5 decode step and GRPO-shaped throughput. moe: scripts/bench_moe.py (48 layers).
+# LIMIT (seconds, default 900) bounds each stage, so that a hung stage leaves time for the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
@@ -17,7 +20,7 @@ run() {  # run NAME DIR CMD...: CMD in DIR with DIR on PYTHONPATH, output to $OU
   local name=$1 dir=$2 t0=$SECONDS rc
   shift 2
   echo "== $name ($dir): $*" | tee -a "$OUT/summary.txt"
-  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} "$@") >"$OUT/$name.log" 2>&1
+  (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout -k 10 "${LIMIT:-900}" "$@") >"$OUT/$name.log" 2>&1
   rc=$?
   echo "   exit $rc after $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   tail -n ${TAIL:-15} "$OUT/$name.log"
@@ -25,7 +28,7 @@ run() {  # run NAME DIR CMD...: CMD in DIR with DIR on PYTHONPATH, output to $OU
 }
 stages=${STAGES:-tests bench}
 if [[ $stages == *tests* ]]; then
-  run gpu_tests "$PWD" python3 -m pytest -q -m gpu -x --durations=15 ${TESTS:-tests}
+  run gpu_tests "$PWD" python3 -m pytest -q -m gpu --durations=15 ${TESTS:-tests}
 fi
 if [[ $stages == *bench* ]]; then
   for tree in "$PWD" "$BASE"; do
@@ -44,5 +47,21 @@ if [[ $stages == *serve* ]]; then
   done
   grep -h "streamed / Engine.generate" "$OUT"/worker_*.log | tee -a "$OUT/summary.txt"
   grep -h '_ratio"' "$OUT"/serve_*.json | tee -a "$OUT/summary.txt"
+fi
+if [[ $stages == *fidelity* ]]; then
+  for shape in qwen3.5-2b qwen3.5-9b qwen3-30b-a3b; do
+    run "fidelity_$shape" "$PWD" python3 scripts/check_fidelity.py --random-shape "$shape" --layers 4 \
+      --dtype bfloat16 --out "$PWD/.cache/fidelity/$shape"
+  done
+fi
+if [[ $stages == *hybrid* ]]; then
+  for model in qwen3.5-2b qwen3.5-9b; do
+    run "decode_$model" "$PWD" python3 scripts/bench_decode.py --model "$model" --batch-sizes 1 64 256 \
+      --context 1024 --reps 20 --json "$OUT/decode_$model.json"
+    run "hybrid_$model" "$PWD" python3 scripts/bench_hybrid.py --model "$model" --json "$OUT/hybrid_$model.json"
+  done
+fi
+if [[ $stages == *moe* ]]; then
+  run moe "$PWD" python3 scripts/bench_moe.py ${MOE_ARGS:-}
 fi
 exit $status
