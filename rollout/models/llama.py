@@ -30,6 +30,8 @@ FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# the Hugging Face modules a LoRA adapter may target ("all-linear": all of them)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # checkpoint entries that carry no weights of ours (old checkpoints saved rotary buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -182,3 +184,7 @@ class LlamaForCausalLM(nn.Module):
     def hf_names(self) -> list[str]:
         """Every HF parameter name this model needs loaded (one entry per shard of a fused parameter)."""
         return naming.hf_names(self, FUSED)
+
+    def lora_modules(self) -> dict[str, tuple[nn.Module, Any]]:
+        """HF module path -> (our module, shard) of every module a LoRA adapter may target."""
+        return naming.modules_named(self, FUSED, LORA_TARGETS)

@@ -7,7 +7,7 @@ and the walk back from modules to names are the same for every such file, so the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -34,26 +34,43 @@ def loadable(
     return module, param, shard
 
 
-def hf_names(model: nn.Module, fused: Fused, prefix: str = "model.", bare: Iterable[str] = ()) -> list[str]:
-    """Every HF parameter name `model` needs loaded (one per shard of a fused module). Our top `model.`
-    stands for the checkpoint's `prefix`; a module named in `bare` is a parameter of its own (no
-    ".weight")."""
+def hf_modules(model: nn.Module, fused: Fused, prefix: str = "model.") -> Iterator[tuple[nn.Module, list]]:
+    """(module, [(HF module path, shard), ...]) for every loadable module of `model`: one path per shard
+    of a fused module. Our top `model.` stands for the checkpoint's `prefix`."""
     fused_back = {v: k for k, v in fused.items()}
-    bare, top = set(bare), prefix.rstrip(".").split(".")
-    tied = model.config.tie_word_embeddings
-    names = []
+    top, tied = prefix.rstrip(".").split("."), model.config.tie_word_embeddings
     for mod_name, module in model.named_modules():
         if not hasattr(module, "load") or module is model.lm_head and tied:
             continue
         *path, last = mod_name.split(".")
         if path and path[0] == "model":
             path = [*top, *path[1:]]
-        if last in bare:
-            names.append(".".join([*path, last]))
+        shards = getattr(module, "shard_names", [None])
+        yield module, [(".".join([*path, fused_back.get((last, s), last)]), s) for s in shards]
+
+
+def hf_names(model: nn.Module, fused: Fused, prefix: str = "model.", bare: Iterable[str] = ()) -> list[str]:
+    """Every HF parameter name `model` needs loaded (one per shard of a fused module); a module named in
+    `bare` is a parameter of its own (no ".weight")."""
+    names = []
+    for module, paths in hf_modules(model, fused, prefix):
+        if paths[0][0].rsplit(".", 1)[-1] in bare:
+            names.append(paths[0][0])
             continue
         for param in ("weight", "bias"):
-            if getattr(module, param, None) is None:
-                continue
-            for shard in getattr(module, "shard_names", [None]):
-                names.append(".".join([*path, fused_back.get((last, shard), last), param]))
+            if getattr(module, param, None) is not None:
+                names += [f"{path}.{param}" for path, _ in paths]
     return names
+
+
+def modules_named(
+    model: nn.Module, fused: Fused, leaves: Iterable[str], prefix: str = "model."
+) -> dict[str, tuple[nn.Module, Any]]:
+    """HF module path -> (our module, shard) for the modules whose HF name ends in one of `leaves`."""
+    leaves = set(leaves)
+    return {
+        path: (module, shard)
+        for module, paths in hf_modules(model, fused, prefix)
+        for path, shard in paths
+        if path.rsplit(".", 1)[-1] in leaves
+    }

@@ -35,6 +35,11 @@ from rollout.models.config import ModelConfig, rope_parameters, rope_type
 from rollout.models.llama import FUSED, MLP
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
+# the Hugging Face modules a LoRA adapter may target (the ones this model has; "all-linear": all of them)
+LORA_TARGETS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"),
+    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
+)
 BARE = ("dt_bias", "A_log")  # parameters named without a ".weight" (kept in a Packed holder each)
 
 
@@ -316,6 +321,9 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def hf_names(self) -> list[str]:
         return naming.hf_names(self, FUSED, self.hf_prefix, BARE)
+
+    def lora_modules(self) -> dict[str, tuple[nn.Module, Any]]:
+        return naming.modules_named(self, FUSED, LORA_TARGETS, self.hf_prefix)
 
 
 class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
