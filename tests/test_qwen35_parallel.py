@@ -59,6 +59,7 @@ def run(engine: Engine, lora: str | None = None) -> list:
 def rank_tp_generate(path: str, tensors: dict, config: dict):
     engine = Engine(path, tp_size=2, **ENGINE)
     assert engine.tp.size == 2
+    assert engine.state.tensors["recurrent"].shape[2] == 2  # this rank's 2 of the 4 linear value heads
     engine.load_lora_adapter_from_tensors("a", tensors, config)
     return run(engine), run(engine, "a")
 
