@@ -17,6 +17,7 @@ from test_qwen35_lora import undo_moe_targets
 from test_tensor_parallel import assert_same, summary
 
 from rollout import Engine, SamplingParams
+from rollout.models.toy import tiny_config
 
 ARCHS = ["qwen3_5", "qwen3_next"]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -43,15 +44,17 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     """The tiny configs split: 4 heads, 2 KV heads, 2 linear key heads, 4 linear value heads."""
     root = tmp_path_factory.mktemp("hybrid-tp")
     made = {arch: build_checkpoint(root / arch, arch, seed=3) for arch in ARCHS}
-    made["kv1"] = build_checkpoint(root / "kv1", "qwen3_5", num_key_value_heads=1)
-    made["linear-k1"] = build_checkpoint(
-        root / "lk1", "qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2
-    )
+    for name, heads in [("kv1", dict(num_key_value_heads=1)), ("linear-k1", dict(linear_num_key_heads=1))]:
+        made[name] = root / name  # refused while the model is built: a config is enough
+        cfg = tiny_config("qwen3_5", **heads, linear_num_value_heads=2)
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+        cfg.save_pretrained(made[name])
     return {name: str(path) for name, path in made.items()}
 
 
 def run(engine: Engine, lora: str | None = None) -> list:
-    params = [replace(p, lora_name=lora) for p in (GREEDY, SAMPLED)]
+    """Greedy and n=2 sampled outputs on the base model; greedy ones on an adapter."""
+    params = [replace(GREEDY, lora_name=lora)] if lora else [GREEDY, SAMPLED]
     return [x for p in params for x in summary(engine.generate(input_ids=PROMPTS, sampling_params=p))]
 
 
