@@ -52,7 +52,7 @@ def hf_modules(model: nn.Module, fused: Fused, prefix: str = "model.") -> Iterat
 def hf_names(model: nn.Module, fused: Fused, prefix: str = "model.", bare: Iterable[str] = ()) -> list[str]:
     """Every HF parameter name `model` needs loaded (one per shard of a fused module); a module named in
     `bare` is a parameter of its own (no ".weight")."""
-    names = []
+    bare, names = set(bare), []
     for module, paths in hf_modules(model, fused, prefix):
         if paths[0][0].rsplit(".", 1)[-1] in bare:
             names.append(paths[0][0])
