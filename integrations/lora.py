@@ -17,7 +17,6 @@ from integrations.loop import ColocatedLoop, Rollouts
 from integrations.metrics import PhaseTimer, rollout_metrics
 from integrations.rl import rollout_batch
 from rollout import Engine, SamplingParams
-from rollout.lora import TARGETS
 
 ADAPTER = "policy"  # the engine-side name of the loop's adapter
 
@@ -57,7 +56,7 @@ def lora_policy(policy: torch.nn.Module, rank: int, seed: int) -> torch.nn.Modul
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)  # A's random init
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(TARGETS), lora_dropout=0.0)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
     return get_peft_model(policy, config)
 
 

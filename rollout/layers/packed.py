@@ -20,6 +20,8 @@ class Packed(nn.Module):
     """`weight`: this rank's rows of each part, in part order; the rest of the shape is whole.
     Called on x it is a linear layer (x @ weight^T)."""
 
+    lora = None  # a rollout.lora.LoraLinear when the model lists this module as a LoRA target
+
     def __init__(
         self,
         parts: list[int],
@@ -36,7 +38,10 @@ class Packed(nn.Module):
         self.weight = empty_param(sum(self.local), *rest, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        y = F.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.apply(x, y)
+        return y
 
     def hf_shape(self, param: str, shard: None) -> tuple[int, ...]:
         return (sum(self.parts), *self.rest)

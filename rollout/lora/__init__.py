@@ -3,8 +3,8 @@
 May import: layers/ and the top-level value modules. Never runner/ or above.
 """
 
-from rollout.lora.config import TARGETS, AdapterConfig
+from rollout.lora.config import AdapterConfig
 from rollout.lora.layers import LoraLinear, LoraState
 from rollout.lora.manager import Adapter, LoraManager
 
-__all__ = ["TARGETS", "Adapter", "AdapterConfig", "LoraLinear", "LoraManager", "LoraState"]
+__all__ = ["Adapter", "AdapterConfig", "LoraLinear", "LoraManager", "LoraState"]

@@ -8,12 +8,9 @@ bias, modules saved whole) is refused by name rather than ignored.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-# the Hugging Face modules of a Llama-family decoder layer an adapter may target
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # config keys whose non-default value means math the engine does not do
 UNSUPPORTED = {
@@ -44,7 +41,8 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     @classmethod
-    def parse(cls, config: Mapping[str, Any]) -> AdapterConfig:
+    def parse(cls, config: Mapping[str, Any], supported: Collection[str]) -> AdapterConfig:
+        """`supported`: the HF module names the model lets an adapter target ("all-linear" is all of them)."""
         if not isinstance(config, Mapping):
             raise TypeError(f"LoRA config must be a dict (adapter_config.json), got {type(config).__name__}")
         peft_type = config.get("peft_type", "LORA")
@@ -62,21 +60,22 @@ class AdapterConfig:
         rslora = config.get("use_rslora", False)
         if not isinstance(rslora, bool):
             raise TypeError(f"LoRA config: use_rslora must be a bool, got {rslora!r}")
-        return cls(rank, float(alpha), _targets(config.get("target_modules")), rslora)
+        return cls(rank, float(alpha), _targets(config.get("target_modules"), supported), rslora)
 
 
-def _targets(value: Any) -> frozenset[str]:
+def _targets(value: Any, supported: Collection[str]) -> frozenset[str]:
     if value == "all-linear":  # PEFT: every linear layer but the output head
-        return frozenset(TARGETS)
+        return frozenset(supported)
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)) or not value:
         raise ValueError(
             f"LoRA config: target_modules must be a non-empty list of module names or 'all-linear' "
             f"(a regex is not supported), got {value!r}"
         )
     names = frozenset(str(v).rsplit(".", 1)[-1] for v in value)
-    unknown = sorted(names - set(TARGETS))
+    unknown = sorted(names - set(supported))
     if unknown:
         raise ValueError(
-            f"LoRA config: target_modules {unknown} are not supported (supported: {list(TARGETS)})"
+            f"LoRA config: target_modules {unknown} are not modules of this model an adapter may target "
+            f"(supported: {sorted(supported)})"
         )
     return names

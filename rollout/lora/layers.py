@@ -47,19 +47,24 @@ class LoraLinear:
         self,
         state: LoraState,
         in_local: int,
-        out_locals: list[int],
+        out_parts: list[list[int]],
         *,
         row_parallel: bool,
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
     ):
+        """out_parts: per fused shard, the HF sizes of the head-sharded parts its output stacks (one part
+        for a plain matrix; q|k|v for a DeltaNet in_proj_qkv). A column-parallel rank holds its slice of
+        every part, as the layer does."""
         self.state, self.tp, self.row_parallel = state, tp, row_parallel
         self.width = state.max_loras * state.max_rank
-        self.out_locals = list(out_locals)
-        self.offsets = [sum(out_locals[:i]) for i in range(len(out_locals))]
-        self.A = torch.zeros(in_local, len(out_locals) * self.width, dtype=dtype, device=device)
-        self.B = [torch.zeros(self.width, n, dtype=dtype, device=device) for n in out_locals]
+        self.parts = [list(p) for p in out_parts]
+        div = 1 if row_parallel else tp.size
+        self.out_locals = [sum(n // div for n in p) for p in self.parts]
+        self.offsets = [sum(self.out_locals[:i]) for i in range(len(self.out_locals))]
+        self.A = torch.zeros(in_local, len(self.parts) * self.width, dtype=dtype, device=device)
+        self.B = [torch.zeros(self.width, n, dtype=dtype, device=device) for n in self.out_locals]
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +99,15 @@ class LoraLinear:
             n = self.A.shape[0]
             a_t = a_t.narrow(0, self.tp.rank * n, n)
         else:
-            n = self.out_locals[shard]
-            b_t = b_t.narrow(1, self.tp.rank * n, n)
+            b_t = torch.cat(self._rank_columns(b_t, self.parts[shard]), dim=1)
         a_dst[:, :r].copy_(a_t)
         b_dst[:r].copy_(b_t)
+
+    def _rank_columns(self, b_t: torch.Tensor, parts: list[int]) -> list[torch.Tensor]:
+        """This rank's slice of each part of a full [r, out] B^T."""
+        pieces, start = [], 0
+        for whole in parts:
+            n = whole // self.tp.size
+            pieces.append(b_t.narrow(1, start + self.tp.rank * n, n))
+            start += whole
+        return pieces

@@ -22,18 +22,11 @@ from torch import nn
 
 from rollout.distributed import TPGroup
 from rollout.layers.linear import ColumnLinear, RowLinear
-from rollout.lora.config import TARGETS, AdapterConfig
+from rollout.layers.packed import Packed
+from rollout.lora.config import AdapterConfig
 from rollout.lora.layers import LoraLinear, LoraState
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-# our fused module and shard -> the HF module whose adapter applies to that slice
-HF_MODULE = {
-    ("qkv_proj", "q"): "q_proj",
-    ("qkv_proj", "k"): "k_proj",
-    ("qkv_proj", "v"): "v_proj",
-    ("gate_up_proj", 0): "gate_proj",
-    ("gate_up_proj", 1): "up_proj",
-}
 PEFT_PREFIX = "base_model.model."
 # <module>.lora_A.weight, or with the adapter's name kept: <module>.lora_A.default.weight
 PEFT_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
@@ -69,6 +62,8 @@ class LoraManager:
         self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
         self.state = LoraState(max_loras, max_rank, dtype, device)
         self.targets = _attach(model, self.state, tp, dtype, device)
+        # the HF module names (the last part of a path) an adapter of this model may target
+        self.supported = frozenset(path.rsplit(".", 1)[-1] for path in self.targets)
         self.adapters: dict[str, Adapter] = {}
         self._load_ids = itertools.count(1)
 
@@ -96,7 +91,7 @@ class LoraManager:
     @torch.no_grad()
     def load(self, name: str, tensors: Any, config: Mapping[str, Any], replace: bool) -> Adapter:
         _check_name(name)
-        cfg = AdapterConfig.parse(config)
+        cfg = AdapterConfig.parse(config, self.supported)
         if name in self.adapters and not replace:
             raise ValueError(
                 f"name: a LoRA adapter named {name!r} is already loaded; pass replace=True "
@@ -185,7 +180,7 @@ class LoraManager:
         if module not in self.targets:
             raise ValueError(
                 f"LoRA tensor {full!r}: {module!r} is not a module an adapter can target "
-                f"(supported: {list(TARGETS)} of model.layers.*)"
+                f"(supported: {sorted(self.supported)} of the decoder layers)"
             )
         return module, m["ab"]
 
@@ -193,21 +188,32 @@ class LoraManager:
 def _attach(
     model: nn.Module, state: LoraState, tp: TPGroup, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Target]:
-    """Give every decoder linear layer its adapter slots; HF module name -> Target."""
+    """Give every module the model lists as a LoRA target (`lora_modules`) its adapter slots; HF module
+    name -> Target."""
+    if not hasattr(model, "lora_modules"):
+        raise ValueError(f"max_loras: {type(model).__name__} lists no modules a LoRA adapter may target")
     targets: dict[str, Target] = {}
-    for path, module in model.named_modules():
-        if ".layers." not in f".{path}" or not isinstance(module, (ColumnLinear, RowLinear)):
-            continue
-        *parent, last = path.split(".")
-        row = isinstance(module, RowLinear)
-        shards = [None] if row else module.shard_names
-        outs = [module.out_features] if row else module.local_sizes
-        in_local = module.local_in if row else module.in_features
-        module.lora = LoraLinear(state, in_local, outs, row_parallel=row, tp=tp, dtype=dtype, device=device)
-        for i, shard in enumerate(shards):
-            hf = HF_MODULE.get((last, shard), last)
-            targets[".".join([*parent, hf])] = Target(module.lora, i, module.hf_shape("weight", shard))
+    for hf, (module, shard) in model.lora_modules().items():
+        in_local, parts, row, shards = _geometry(module)
+        if module.lora is None:
+            module.lora = LoraLinear(
+                state, in_local, parts, row_parallel=row, tp=tp, dtype=dtype, device=device
+            )
+        targets[hf] = Target(module.lora, shards.index(shard), module.hf_shape("weight", shard))
+    if not targets:
+        raise ValueError(f"max_loras: {type(model).__name__} has no module a LoRA adapter may target")
     return targets
+
+
+def _geometry(module: nn.Module) -> tuple[int, list[list[int]], bool, list]:
+    """(local input size, per fused shard the HF sizes of its parts, row-parallel?, shard names)."""
+    if isinstance(module, RowLinear):
+        return module.local_in, [[module.out_features]], True, [None]
+    if isinstance(module, ColumnLinear):
+        return module.in_features, [[n] for n in module.out_sizes], False, list(module.shard_names)
+    if isinstance(module, Packed) and len(module.rest) == 1:
+        return module.rest[0], [module.parts], False, [None]
+    raise TypeError(f"LoRA: a {type(module).__name__} cannot hold adapter slots")
 
 
 def _named(tensors: Any) -> list[tuple[str, torch.Tensor]]:

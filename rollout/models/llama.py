@@ -19,6 +19,7 @@ from rollout.layers.linear import ColumnLinear, RowLinear
 from rollout.layers.mlp import GatedMLP
 from rollout.layers.norm import RMSNorm
 from rollout.layers.rotary import Rotary
+from rollout.models import naming
 from rollout.models.config import ModelConfig
 
 # HF parameter module -> (our fused module, shard inside it)
@@ -29,6 +30,8 @@ FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# the Hugging Face modules a LoRA adapter may target ("all-linear": all of them)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # checkpoint entries that carry no weights of ours (old checkpoints saved rotary buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -176,31 +179,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
         *path, mod, param = hf_name.split(".")
         mod, shard = FUSED.get(mod, (mod, None))
-        try:
-            module = self.get_submodule(".".join([*path, mod]))
-        except AttributeError:
-            module = None
-        if (
-            module is None
-            or not hasattr(module, "load")
-            or getattr(module, param, None) is None
-            or shard not in getattr(module, "shard_names", [None])  # e.g. our fused "qkv_proj"
-        ):
-            raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
-        return module, param, shard
+        return naming.loadable(self, hf_name, ".".join([*path, mod]), param, shard)
 
     def hf_names(self) -> list[str]:
         """Every HF parameter name this model needs loaded (one entry per shard of a fused parameter)."""
-        fused_back = {v: k for k, v in FUSED.items()}
-        names = []
-        for mod_name, module in self.named_modules():
-            if not hasattr(module, "load") or module is self.lm_head and self.config.tie_word_embeddings:
-                continue
-            for param in ("weight", "bias"):
-                if getattr(module, param, None) is None:
-                    continue
-                *path, last = mod_name.split(".")
-                for shard in getattr(module, "shard_names", [None]):
-                    hf_mod = fused_back.get((last, shard), last)
-                    names.append(".".join([*path, hf_mod, param]))
-        return names
+        return naming.hf_names(self, FUSED)
+
+    def lora_modules(self) -> dict[str, tuple[nn.Module, Any]]:
+        """HF module path -> (our module, shard) of every module a LoRA adapter may target."""
+        return naming.modules_named(self, FUSED, LORA_TARGETS)

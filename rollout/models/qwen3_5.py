@@ -30,10 +30,16 @@ from rollout.layers import gated_delta, short_conv
 from rollout.layers.embedding import LMHead, VocabEmbedding
 from rollout.layers.linear import RowLinear, empty_param
 from rollout.layers.packed import Packed
+from rollout.models import naming
 from rollout.models.config import ModelConfig, rope_parameters, rope_type
 from rollout.models.llama import FUSED, MLP
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
+# the Hugging Face modules a LoRA adapter may target (the ones this model has; "all-linear": all of them)
+LORA_TARGETS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"),
+    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
+)
 BARE = ("dt_bias", "A_log")  # parameters named without a ".weight" (kept in a Packed holder each)
 
 
@@ -311,37 +317,13 @@ class Qwen3_5ForCausalLM(nn.Module):
             path, mod, param = [*path, mod], param, "weight"
         elif path and path[-1] == "mlp" and mod in FUSED:
             mod, shard = FUSED[mod]
-        try:
-            module = self.get_submodule(".".join([*path, mod]))
-        except AttributeError:
-            module = None
-        if (
-            module is None
-            or not hasattr(module, "load")
-            or getattr(module, param, None) is None
-            or shard not in getattr(module, "shard_names", [None])
-        ):
-            raise ValueError(f"unknown weight name {hf_name!r} for {self.config.architecture}")
-        return module, param, shard
+        return naming.loadable(self, hf_name, ".".join([*path, mod]), param, shard)
 
     def hf_names(self) -> list[str]:
-        fused_back = {v: k for k, v in FUSED.items()}
-        names = []
-        for mod_name, module in self.named_modules():
-            if not hasattr(module, "load") or module is self.lm_head and self.config.tie_word_embeddings:
-                continue
-            *path, last = mod_name.split(".")
-            if path and path[0] == "model":
-                path = [*self.hf_prefix.rstrip(".").split("."), *path[1:]]
-            if last in BARE:
-                names.append(".".join([*path, last]))
-                continue
-            for param in ("weight", "bias"):
-                if getattr(module, param, None) is None:
-                    continue
-                for shard in getattr(module, "shard_names", [None]):
-                    names.append(".".join([*path, fused_back.get((last, shard), last), param]))
-        return names
+        return naming.hf_names(self, FUSED, self.hf_prefix, BARE)
+
+    def lora_modules(self) -> dict[str, tuple[nn.Module, Any]]:
+        return naming.modules_named(self, FUSED, LORA_TARGETS, self.hf_prefix)
 
 
 class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
