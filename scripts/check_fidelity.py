@@ -174,6 +174,31 @@ HYBRID: dict[str, dict] = {
         "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_key_heads": 16,
         "linear_num_value_heads": 32, "tie_word_embeddings": False,
     },
+    # the text config of Qwen3.5-35B-A3B (a Qwen3_5MoeForConditionalGeneration checkpoint): every layer
+    # sparse, 256 experts top-8 (always renormalised) + a shared expert; no dense intermediate_size
+    "qwen3.5-35b-a3b": {
+        **QWEN35_COMMON, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "router_aux_loss_coef": 0.001, "output_router_logits": False, "tie_word_embeddings": False,
+    },
+    # Qwen3-Next-80B-A3B: the same mixers (q|k|v|z and b|a packed per key head), 512 experts top-10
+    # renormalised + a shared expert in every layer, Qwen2's 151,936-token vocabulary
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+        "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+        "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+        "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
 SHAPES = {**PUBLISHED, **HYBRID}
 # fmt: on
