@@ -31,6 +31,7 @@ from test_moe_models import per_expert_names
 from test_qwen35 import build_checkpoint, engine, greedy, hf_gap, prompt_of
 from weights_helpers import perturb
 
+from integrations.routing_replay import RouteRecorder, RoutingReplay
 from rollout import Engine, SamplingParams
 from rollout.models.config import ModelConfig
 
@@ -71,32 +72,12 @@ def greedy_routed(n: int) -> SamplingParams:
     return replace(greedy(n), return_routed_experts=True)
 
 
-class Routes:
-    """transformers' own router top-k ([T, sparse layers, top_k]) in the forwards run inside."""
-
-    def __init__(self, model):
-        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-        self.got: list[torch.Tensor] = []
-
-    def __enter__(self) -> Routes:
-        self.hooks = [
-            r.register_forward_hook(lambda m, a, out: self.got.append(out[2])) for r in self.routers
-        ]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.hooks:
-            h.remove()
-
-    def table(self) -> torch.Tensor:
-        return torch.stack(self.got, dim=1).reshape(-1, len(self.routers), self.got[0].shape[-1]).int()
-
-
 def hf_routes(model, tokens: list[int]) -> torch.Tensor:
-    """The top-k of tokens[:-1] (each token the engine ran forward)."""
-    with torch.no_grad(), Routes(model) as r:
+    """transformers' own router top-k ([T, sparse layers, top_k]) of tokens[:-1] (each token the engine
+    ran forward)."""
+    with torch.no_grad(), RouteRecorder(model).record() as got:
         model.model(torch.tensor([tokens[:-1]]))
-    return r.table()
+    return got[0].int()
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,6 +141,26 @@ def test_routes_with_shared_prompts_and_preemption(dirs, hf, name):
     assert eng.scheduler.num_preemptions > 0
     for p, o in zip(prompts, outs):
         assert_routes(model, p, o.outputs[0])
+
+
+def test_replay_gives_the_trainer_the_engine_logprobs(dirs, hf, name):
+    """integrations.routing_replay on these transformers models (Qwen3.5-MoE's router has no
+    norm_topk_prob: it always renormalises): the trainer under the engine's routes computes the
+    engine's logprobs."""
+    model, prompt = hf[name], prompt_of(80, seed=33)
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, ignore_eos=True, logprobs=True,
+                            return_routed_experts=True, seed=6)  # fmt: skip
+    outs = routed(dirs[name]).generate(input_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs
+    replay = RoutingReplay(model)
+    try:
+        for out in outs:
+            tokens = torch.tensor([prompt + out.token_ids])
+            with torch.no_grad(), replay.use(out.routed_experts[None].long()):
+                logits = model(tokens[:, :-1]).logits[0].double()
+            lp = torch.log_softmax(logits, -1)[len(prompt) - 1 :].gather(1, tokens[0, len(prompt) :, None])
+            assert np.abs(lp[:, 0].numpy() - np.array(out.logprobs)).max() <= 1e-5
+    finally:
+        replay.remove()
 
 
 def fused_state(model) -> dict[str, torch.Tensor]:
@@ -267,12 +268,12 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     params = greedy_routed(12)
     out = eng.generate(input_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     tokens = torch.tensor([prompt + out.token_ids])
-    with torch.inference_mode(), Routes(model) as r:
+    with torch.inference_mode(), RouteRecorder(model).record() as got:
         hidden = model.model.language_model(tokens[:, :-1]).last_hidden_state[0]
         logp = torch.log_softmax(model.lm_head(hidden).float(), -1)
     ref = logp[len(prompt) - 1 :].gather(1, tokens[0, len(prompt) :, None])[:, 0]
     assert np.abs(np.array(out.logprobs) - ref.numpy()).max() <= TOL
-    assert same_sets(out.routed_experts, r.table())
+    assert same_sets(out.routed_experts, got[0].int())
     # the trainer's fused names under the tower's prefix update it
     state = {n: p.detach() for n, p in model.named_parameters() if n.startswith("model.language_model.")}
     fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
@@ -297,14 +298,14 @@ def real_width_check(folder: Path, vocab: int) -> None:
     model = cf.load_hf(folder, torch.float32, "cpu")
     tokens = prompt + out.token_ids
     rows = ROWS + list(range(PROMPT_LEN - 1, PROMPT_LEN - 1 + NEW))
-    with Routes(model) as r:
+    with RouteRecorder(model).record() as got:
         logits = cf.hf_logits(model, tokens, rows)
     del model
     gc.collect()
     assert (prefill - logits[: len(ROWS)]).abs().max().item() <= TOL
     assert np.abs(np.array(out.logprobs) - cf.token_logprobs(logits[len(ROWS) :], out.token_ids)).max() <= TOL
     assert out.token_ids == logits[len(ROWS) :].argmax(-1).tolist()
-    assert same_sets(out.routed_experts, r.table()[: len(tokens) - 1])
+    assert same_sets(out.routed_experts, got[0].int()[: len(tokens) - 1])
 
 
 @pytest.mark.slow
