@@ -10,9 +10,11 @@ tower of a Qwen3_5MoeForConditionalGeneration checkpoint. Qwen3.5-MoE's router a
 layer 1 dense (mlp_only_layers).
 
 Real widths (slow): the Qwen3.5-35B-A3B text config cut to 2 layers (1 linear + 1 full attention, 256
-experts top-8, the 248,320-token vocabulary), and Qwen3-Next-80B-A3B's widths cut to 2 layers with 32
-experts instead of 512 (512 experts would not fit in this machine's memory in float32), prompts of 1040
-tokens: logprobs within 1e-4, routes equal. Engine first, freed, then transformers: one model at a time.
+experts top-8, the 248,320-token vocabulary) with a tied head (untied, each side would hold 2 GB more
+than the 13 GB a test may use here: its float32 weights are 8.5 GB tied), and Qwen3-Next-80B-A3B's
+widths cut to 2 layers with 32 experts instead of 512 (512 experts are 6.4 GB a layer in float32; they
+would not fit), prompts of 1040 tokens: logprobs within 1e-4, routes equal. Engine first, freed, then
+transformers: one model at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_moe_models import per_expert_names
-from test_qwen35 import build_checkpoint, engine, greedy, hf_gap, prompt_of
+from test_qwen35 import build_checkpoint, engine, greedy, hf_gap, prompt_of, save_random
 from weights_helpers import perturb
 
 from integrations.routing_replay import RouteRecorder, RoutingReplay
@@ -245,7 +247,7 @@ def test_bad_expert_tensors_are_refused_with_the_weights_intact(dirs, hf, name):
 def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     import transformers
 
-    from rollout.models.toy import HYBRID, MOE, build_tokenizer
+    from rollout.models.toy import HYBRID, MOE
 
     text = dict(
         vocab_size=83, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -253,13 +255,7 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     )  # fmt: skip
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() != 2 else p.normal_(0, 2 / p.shape[1] ** 0.5)
-    model.save_pretrained(tmp_path)
-    build_tokenizer(tmp_path)
+    model = save_random(transformers.Qwen3_5MoeForConditionalGeneration(cfg), tmp_path)
     prompt = prompt_of(120, seed=31)
     eng = routed(tmp_path)
     names = eng.model.hf_names()
@@ -312,7 +308,7 @@ def real_width_check(folder: Path, vocab: int) -> None:
 @pytest.mark.parametrize(
     "shape,vocab,overrides",
     [
-        ("qwen3.5-35b-a3b", 248320, {}),
+        ("qwen3.5-35b-a3b", 248320, {"tie_word_embeddings": True}),  # untied: 2 GB more a side
         ("qwen3-next-80b-a3b", 151936, {"num_experts": 32}),  # 512 experts: ~13 GB a layer in float32
     ],
 )

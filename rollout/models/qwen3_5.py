@@ -211,7 +211,9 @@ class HybridLayer(nn.Module):
             raise ValueError(
                 f"layer_types entry {kind!r} is not supported (linear_attention, full_attention)"
             )
-        dense = lambda: MLP(cfg, tp, dtype, device)  # noqa: E731
+        def dense() -> nn.Module:
+            return MLP(cfg, tp, dtype, device)
+
         self.mlp = feed_forward(cfg, spec, layer, dense, tp=tp, dtype=dtype, device=device)
         eps = cfg.rms_norm_eps
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, eps, dtype=dtype, device=device)
