@@ -211,6 +211,7 @@ class HybridLayer(nn.Module):
             raise ValueError(
                 f"layer_types entry {kind!r} is not supported (linear_attention, full_attention)"
             )
+
         def dense() -> nn.Module:
             return MLP(cfg, tp, dtype, device)
 
