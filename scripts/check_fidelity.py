@@ -209,10 +209,13 @@ QWEN25_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type":
 # -- random checkpoints with real shapes ---------------------------------------------------------------
 def build_random(
     name: str, out: str | Path, *, layers: int | None = None, seed: int = 0, device: str | None = None,
-    transformers_format: bool = False, **overrides,
+    transformers_format: bool = False, as_held: bool = False, **overrides,
 ) -> Path:  # fmt: skip
     """A random bfloat16 checkpoint with `name`'s published config (cut to `layers`) in `out`, whose
-    config.json is the published file (or, with transformers_format, the one transformers writes)."""
+    config.json is the published file (or, with transformers_format, the one transformers writes).
+    as_held: the parameters under the names transformers 5 holds them by (an MoE's fused experts), in
+    shards: neither the save nor transformers' load converts the experts' layout, which at real widths
+    costs several GB of copies on each side."""
     import transformers
 
     out = Path(out)
@@ -231,13 +234,43 @@ def build_random(
     model = model.to_empty(device=device)
     model.tie_weights()
     _fill_random(model, seed, config.initializer_range)
-    model.save_pretrained(str(tmp))
+    if as_held:
+        _save_as_held(model, tmp)
+    else:
+        model.save_pretrained(str(tmp))
     if not transformers_format:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     del model
     _free()
     tmp.rename(out)
     return out
+
+
+def _save_as_held(model, folder: Path, shard_bytes: int = 1 << 30) -> None:
+    """named_parameters() as they are (a tied weight once), in shards of about `shard_bytes`, with an
+    index: one shard's tensors are copied at a time."""
+    from safetensors.torch import save_file
+
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, p in model.named_parameters():
+        if size and size + p.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, p))
+        size += p.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(
+            {n: t.detach().contiguous().cpu() for n, t in shard},
+            str(folder / file),
+            metadata={"format": "pt"},
+        )
+        weight_map.update({n: file for n, _ in shard})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(str(folder))
 
 
 @torch.no_grad()
