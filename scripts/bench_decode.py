@@ -32,8 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import SHAPES, bench_model  # noqa: E402
 
 from rollout import Engine, SamplingParams  # noqa: E402
-from rollout.state.scheduled import ScheduledBatch  # noqa: E402
-from rollout.state.sequence import Sequence, Status  # noqa: E402
+
+try:  # the fallback lets this script time a tree from before the house plan (gpu_check.sh's baseline)
+    from rollout.state.scheduled import ScheduledBatch
+    from rollout.state.sequence import Sequence, Status
+except ImportError:
+    from rollout.scheduler import ScheduledBatch
+    from rollout.sequence import Sequence, Status
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -112,9 +117,16 @@ def engine_step(engine: Engine, batch: int, context: int, reps: int, seed: int) 
     rids = [f"engine-{seed}-{i}" for i in range(batch)]
     for rid in rids:
         engine.add_request(rid, rng.integers(0, vocab, context).tolist(), params)
-    start = engine.stats.decode_tokens
-    while engine.stats.decode_tokens - start < 4 * batch:  # every prompt computed, a few steps decoded
+    # until three steps in a row decode the whole batch: every prompt computed (with mixed steps, early
+    # requests decode for many steps while later prompts are still being prefilled)
+    whole, steps = 0, 0
+    while whole < 3:
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError(f"batch {batch} never decoded whole: is the KV pool too small for it?")
+        before = engine.stats.decode_tokens
         engine.step()
+        whole = whole + 1 if engine.stats.decode_tokens - before == batch else 0
     sync()
     t0 = time.perf_counter()
     before = engine.stats.decode_tokens

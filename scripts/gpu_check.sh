@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU round: every gpu-marked test, then the decode-step and weight-sync benchmarks of this tree
-# and of a baseline tree (default .baseline/, e.g. `git archive <commit> rollout scripts | tar -x -C
+# and of a baseline tree (default .baseline/, e.g. `git archive <commit> rollout scripts integrations | tar -x -C
 # .baseline`) in the same run. Logs under $OUT (default gpu_logs/); exits non-zero if a stage failed.
 # STAGES picks among: tests bench serve fidelity hybrid moe (default "tests bench"). serve: the step
 # driver's delivery cost, bench_worker's streamed / Engine.generate and bench_serve's process and thread
@@ -33,7 +33,8 @@ fi
 if [[ $stages == *bench* ]]; then
   for tree in "$PWD" "$BASE"; do
     tag=$([[ $tree == "$PWD" ]] && echo head || echo base)
-    run "decode_$tag" "$tree" python3 scripts/bench_decode.py --model qwen2.5-0.5b --batch-sizes 1 64 256 \
+    # this tree's script for both trees: the same warm-up and floor (it imports either layout)
+    run "decode_$tag" "$tree" python3 "$PWD/scripts/bench_decode.py" --model qwen2.5-0.5b --batch-sizes 1 64 256 \
       --reps 30 --json "$OUT/decode_$tag.json"
     run "sync_$tag" "$tree" python3 scripts/bench_weight_sync.py --models qwen2.5-0.5b --buckets-mb 128 \
       --no-nccl
@@ -49,13 +50,13 @@ if [[ $stages == *serve* ]]; then
   grep -h '_ratio"' "$OUT"/serve_*.json | tee -a "$OUT/summary.txt"
 fi
 if [[ $stages == *fidelity* ]]; then
-  for shape in qwen3.5-2b qwen3.5-9b qwen3-30b-a3b; do
+  for shape in ${FIDELITY_SHAPES:-qwen3.5-2b qwen3.5-9b qwen3-30b-a3b}; do
     run "fidelity_$shape" "$PWD" python3 scripts/check_fidelity.py --random-shape "$shape" --layers 4 \
       --dtype bfloat16 --out "$PWD/.cache/fidelity/$shape"
   done
 fi
 if [[ $stages == *hybrid* ]]; then
-  for model in qwen3.5-2b qwen3.5-9b; do
+  for model in ${HYBRID_MODELS:-qwen3.5-2b qwen3.5-9b}; do
     run "decode_$model" "$PWD" python3 scripts/bench_decode.py --model "$model" --batch-sizes 1 64 256 \
       --context 1024 --reps 20 --json "$OUT/decode_$model.json"
     run "hybrid_$model" "$PWD" python3 scripts/bench_hybrid.py --model "$model" --json "$OUT/hybrid_$model.json"

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from rollout.attention.base import AttentionBackend, AttnBatch
+from rollout.attention.flashinfer_workspace import workspace_bytes
 from rollout.cache.pool import KVPool
 from rollout.device.staging import Staging, to_device
 
-WORKSPACE_BYTES = 128 << 20  # split-KV partial results; shared by every wrapper (one runs at a time)
 INT_WORKSPACE_BYTES = 8 << 20  # plan arrays of the graph wrappers (shared, re-planned before each replay)
 
 
@@ -38,18 +38,12 @@ class FlashInferBackend(AttentionBackend):
         if kv.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"attention_backend='flashinfer' needs float16 or bfloat16, got {kv.dtype}")
         self.device = torch.device(kv.device)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.num_sm = torch.cuda.get_device_properties(self.device).multi_processor_count
         # flashinfer's CUDA-core decode kernel handles query-group sizes 1-4 and 8 only, and the
         # tensor-core (prefill) kernel is faster for large groups anyway
         self.tensor_cores = num_heads // kv.num_kv_heads > 4
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
-        )
-        # fa2 rather than "auto" (fa3 on Hopper): the tensor-core decode path JIT-compiles the same fa2
-        # module, so one build serves both; attention is a few percent of a prefill step's FLOPs here
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
-        )
+        # split-KV partial results, shared by every wrapper (one runs at a time)
+        self._make_eager_wrappers(self._workspace_for(graph_batch=0))
         self._graph_wrappers: dict[int, Any] = {}
         self._graph_buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # bs -> indptr, indices, last_page_len
         self._graph_int_workspace: torch.Tensor | None = None
@@ -83,9 +77,38 @@ class FlashInferBackend(AttentionBackend):
         self._mark_plan(self.prefill_wrapper)
         return _Meta(self.prefill_wrapper, batch.slot_mapping)
 
+    def _workspace_for(self, graph_batch: int) -> int:
+        return workspace_bytes(self.num_heads, self.kv.num_kv_heads, self.head_dim, self.num_sm, graph_batch)
+
+    def _make_eager_wrappers(self, workspace: int) -> None:
+        self.workspace = torch.zeros(workspace, dtype=torch.uint8, device=self.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
+        # fa2 rather than "auto" (fa3 on Hopper): the tensor-core decode path JIT-compiles the same fa2
+        # module, so one build serves both; attention is a few percent of a prefill step's FLOPs here
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
+
+    def _reserve_for_graph(self, bs: int) -> None:
+        """Grow the workspace to what a graph of `bs` requests plans. Only before the first capture: a
+        captured graph keeps the address of the workspace it was planned into (the largest batch is
+        captured first, so it is the one that grows it)."""
+        need = self._workspace_for(graph_batch=bs)
+        if need <= self.workspace.numel():
+            return
+        if self._graph_wrappers:
+            raise RuntimeError(
+                f"flashinfer: a CUDA graph of batch {bs} needs a {need >> 20} MiB workspace after graphs "
+                f"were captured in {self.workspace.numel() >> 20} MiB; capture the largest batch first"
+            )
+        self._make_eager_wrappers(need)
+
     def begin_graph(self, batch: AttnBatch) -> _Meta:
         bs = batch.batch_size
         if bs not in self._graph_wrappers:  # first call, before capture: a full plan
+            self._reserve_for_graph(bs)
             wrapper = self._graph_wrappers[bs] = self._make_graph_wrapper(bs, batch.page_table.shape[1])
             self._plan_decode(wrapper, *self._csr(batch))
             return _Meta(wrapper, batch.slot_mapping)
