@@ -8,7 +8,7 @@ is the engine's (`CompletionOutput.routed_experts`); the gate weights are recomp
 own router logits (softmax in float32, gathered at the engine's experts, renormalised where the model
 asks), so the router still gets gradients.
 
-    replay = RoutingReplay(policy)                   # Qwen3-MoE / Qwen2-MoE (transformers 5)
+    replay = RoutingReplay(policy)    # Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE (transformers 5)
     routes = pad_routes([o.routed_experts for o in completions], seq_len)   # [B, S, L, K], -1 = pad
     with replay.use(routes):                         # one micro-batch (right-padded like input_ids)
         logits = policy(input_ids, attention_mask=mask).logits
@@ -27,6 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+# transformers' routers that renormalise their top-k with no `norm_topk_prob` switch
+ALWAYS_RENORMALISED = ("Qwen3_5MoeTopKRouter",)
+
+
+def renormalises(gate: nn.Module) -> bool:
+    return type(gate).__name__ in ALWAYS_RENORMALISED or bool(gate.norm_topk_prob)
+
 
 def moe_gates(model: nn.Module) -> list[nn.Module]:
     """The router of each sparse block in layer order (a block with `gate` and `experts`): the column
@@ -39,7 +46,8 @@ def moe_gates(model: nn.Module) -> list[nn.Module]:
     if not gates:
         raise ValueError(f"{type(model).__name__} has no MoE blocks (a module with `gate` and `experts`)")
     for g in gates:
-        if not all(hasattr(g, a) for a in ("top_k", "norm_topk_prob", "weight")):
+        known = hasattr(g, "norm_topk_prob") or type(g).__name__ in ALWAYS_RENORMALISED
+        if not (known and hasattr(g, "top_k") and hasattr(g, "weight")):
             raise TypeError(f"{type(g).__name__} is not a top-k softmax router this replay knows")
     return gates
 
@@ -102,7 +110,7 @@ class RoutingReplay:
                     f"routes cover {ids.shape[0]} tokens, the forward has {logits.shape[0]} "
                     "(routes must be padded like input_ids)"
                 )
-            weights, ids = replayed_weights(logits, ids, module.norm_topk_prob)
+            weights, ids = replayed_weights(logits, ids, renormalises(module))
             return (logits, weights, ids, *output[3:])
 
         return hook

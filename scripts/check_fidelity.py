@@ -174,6 +174,31 @@ HYBRID: dict[str, dict] = {
         "num_attention_heads": 16, "num_key_value_heads": 4, "linear_num_key_heads": 16,
         "linear_num_value_heads": 32, "tie_word_embeddings": False,
     },
+    # the text config of Qwen3.5-35B-A3B (a Qwen3_5MoeForConditionalGeneration checkpoint): every layer
+    # sparse, 256 experts top-8 (always renormalised) + a shared expert; no dense intermediate_size
+    "qwen3.5-35b-a3b": {
+        **QWEN35_COMMON, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "router_aux_loss_coef": 0.001, "output_router_logits": False, "tie_word_embeddings": False,
+    },
+    # Qwen3-Next-80B-A3B: the same mixers (q|k|v|z and b|a packed per key head), 512 experts top-10
+    # renormalised + a shared expert in every layer, Qwen2's 151,936-token vocabulary
+    "qwen3-next-80b-a3b": {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+        "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16,
+        "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2,
+        "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 10000000, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
 }
 SHAPES = {**PUBLISHED, **HYBRID}
 # fmt: on
@@ -184,10 +209,13 @@ QWEN25_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type":
 # -- random checkpoints with real shapes ---------------------------------------------------------------
 def build_random(
     name: str, out: str | Path, *, layers: int | None = None, seed: int = 0, device: str | None = None,
-    transformers_format: bool = False, **overrides,
+    transformers_format: bool = False, as_held: bool = False, **overrides,
 ) -> Path:  # fmt: skip
     """A random bfloat16 checkpoint with `name`'s published config (cut to `layers`) in `out`, whose
-    config.json is the published file (or, with transformers_format, the one transformers writes)."""
+    config.json is the published file (or, with transformers_format, the one transformers writes).
+    as_held: the parameters under the names transformers 5 holds them by (an MoE's fused experts), in
+    shards: neither the save nor transformers' load converts the experts' layout, which at real widths
+    costs several GB of copies on each side."""
     import transformers
 
     out = Path(out)
@@ -206,13 +234,43 @@ def build_random(
     model = model.to_empty(device=device)
     model.tie_weights()
     _fill_random(model, seed, config.initializer_range)
-    model.save_pretrained(str(tmp))
+    if as_held:
+        _save_as_held(model, tmp)
+    else:
+        model.save_pretrained(str(tmp))
     if not transformers_format:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     del model
     _free()
     tmp.rename(out)
     return out
+
+
+def _save_as_held(model, folder: Path, shard_bytes: int = 1 << 30) -> None:
+    """named_parameters() as they are (a tied weight once), in shards of about `shard_bytes`, with an
+    index: one shard's tensors are copied at a time."""
+    from safetensors.torch import save_file
+
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, p in model.named_parameters():
+        if size and size + p.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, p))
+        size += p.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(
+            {n: t.detach().contiguous().cpu() for n, t in shard},
+            str(folder / file),
+            metadata={"format": "pt"},
+        )
+        weight_map.update({n: file for n, _ in shard})
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(str(folder))
 
 
 @torch.no_grad()

@@ -40,6 +40,19 @@ def build_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
     return folder
 
 
+@torch.no_grad()
+def save_random(model, folder: Path):
+    """A vision-language model with random float32 weights (matrices at 2/sqrt(fan_in), the rest at std
+    0.1), saved with the tokenizer into `folder`; returns the model."""
+    torch.manual_seed(0)
+    model = model.float().eval()
+    for p in model.parameters():
+        p.normal_(0, 0.1) if p.dim() != 2 else p.normal_(0, 2 / p.shape[1] ** 0.5)
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return model
+
+
 @pytest.fixture(scope="session")
 def hybrid_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hybrid")
@@ -206,7 +219,7 @@ def test_prompt_logprobs_and_scoring(hybrid_dirs, hf_hybrid):
 def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     import transformers
 
-    from rollout.models.toy import HYBRID, build_tokenizer
+    from rollout.models.toy import HYBRID
 
     text = dict(
         vocab_size=83, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -215,13 +228,7 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     # the text config says untied, the checkpoint's class reads the top config: tied
     cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1) if p.dim() != 2 else p.normal_(0, 2 / p.shape[1] ** 0.5)
-    model.save_pretrained(tmp_path)
-    build_tokenizer(tmp_path)
+    model = save_random(transformers.Qwen3_5ForConditionalGeneration(cfg), tmp_path)
     prompt = prompt_of(120, seed=17)
     eng = engine(tmp_path)
     assert "model.language_model.layers.0.linear_attn.in_proj_qkv.weight" in eng.model.hf_names()

@@ -21,6 +21,8 @@ from rollout.models.registry import MODELS
 # (transformers would silently fill in e.g. hidden_size=4096 and the weights would not fit).
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")  # fmt: skip
+# ... but a mixture-of-experts config may have no dense MLP at all (Qwen3.5-MoE has no intermediate_size)
+NOT_REQUIRED_WITH_EXPERTS = ("intermediate_size",)
 QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -102,7 +104,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            intermediate_size=getattr(hf, "intermediate_size", None) or 0,  # 0: no dense MLP
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -129,11 +131,9 @@ class ModelConfig:
     @property
     def tp_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits (the vocabulary is padded instead)."""
-        sizes = {
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "intermediate_size": self.intermediate_size,
-        }
+        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads}
+        if self.intermediate_size:
+            sizes["intermediate_size"] = self.intermediate_size
         if self.moe is not None:
             sizes["moe_intermediate_size"] = self.moe.intermediate_size
             if self.moe.shared_intermediate_size:
@@ -172,6 +172,8 @@ def check_fields(cfg: dict[str, Any], source: str) -> None:
         raise ValueError(f"{source}: unsupported architecture {archs[0]!r}; supported: {sorted(MODELS)}")
     text = cfg.get("text_config") or cfg  # a vision-language checkpoint keeps its text model's shape there
     missing = [k for k in REQUIRED if cfg.get(k) is None and text.get(k) is None]
+    if text.get("num_experts") or cfg.get("num_experts"):
+        missing = [k for k in missing if k not in NOT_REQUIRED_WITH_EXPERTS]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing} for {archs[0]}")
 

@@ -14,10 +14,18 @@ matrix) declared by `state_shapes`, which the engine keeps in a pool beside the 
 (rollout/cache/state.py). Checkpoint names are the checkpoint's own; `Qwen3_5ForConditionalGeneration`
 checkpoints hold the text tower under `model.language_model.` (the vision tower and the MTP head are
 skipped).
+
+Mixture of experts (models/sparse.py, layers/moe.py): Qwen3-Next-80B-A3B and Qwen3.5-MoE (35B-A3B,
+122B-A10B, 397B-A17B) swap the dense MLP for a sparse block with a shared expert behind a sigmoid gate.
+Qwen3-Next's layers are sparse by the Qwen-MoE rule (`mlp_only_layers`, `decoder_sparse_step`) and its
+router renormalises when `norm_topk_prob`; Qwen3.5-MoE's layers are all sparse and its router always
+renormalises (transformers' Qwen3_5MoeTopKRouter has no switch). Experts load from either checkpoint
+layout; routes (R3) are recorded like Qwen3-MoE's.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,10 +37,12 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.layers import gated_delta, short_conv
 from rollout.layers.embedding import LMHead, VocabEmbedding
 from rollout.layers.linear import RowLinear, empty_param
+from rollout.layers.moe import MoeSpec
 from rollout.layers.packed import Packed
 from rollout.models import naming
 from rollout.models.config import ModelConfig, rope_parameters, rope_type
 from rollout.models.llama import FUSED, MLP
+from rollout.models.sparse import ExpertNames, feed_forward, run_feed_forward
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
 # the Hugging Face modules a LoRA adapter may target (the ones this model has; "all-linear": all of them)
@@ -41,6 +51,7 @@ LORA_TARGETS = (
     *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
 )
 BARE = ("dt_bias", "A_log")  # parameters named without a ".weight" (kept in a Packed holder each)
+GATED_MLPS = ("mlp", "shared_expert")  # whose gate_proj / up_proj load into one fused gate_up_proj
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -195,7 +206,7 @@ class NextGatedDeltaNet(GatedDeltaNet):
 
 
 class HybridLayer(nn.Module):
-    def __init__(self, cfg, kind: str, index: int, tp, dtype, device, deltanet=GatedDeltaNet):
+    def __init__(self, cfg, kind: str, index: int, tp, dtype, device, deltanet, layer: int, spec):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
@@ -206,7 +217,11 @@ class HybridLayer(nn.Module):
             raise ValueError(
                 f"layer_types entry {kind!r} is not supported (linear_attention, full_attention)"
             )
-        self.mlp = MLP(cfg, tp, dtype, device)
+
+        def dense() -> nn.Module:
+            return MLP(cfg, tp, dtype, device)
+
+        self.mlp = feed_forward(cfg, spec, layer, dense, tp=tp, dtype=dtype, device=device)
         eps = cfg.rms_norm_eps
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, eps, dtype=dtype, device=device)
@@ -220,18 +235,18 @@ class HybridLayer(nn.Module):
             self.linear_attn(h, ctx) if self.kind == "linear_attention" else self.self_attn(h, cos_sin, ctx)
         )
         h, residual = self.post_attention_layernorm(mixed, residual)
-        return self.mlp(h), residual
+        return run_feed_forward(self.mlp, h, ctx), residual
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp, dtype, device, max_positions: int, deltanet):
+    def __init__(self, cfg: ModelConfig, tp, dtype, device, max_positions: int, deltanet, spec):
         super().__init__()
         hf = cfg.hf_config
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
         counters = {"linear_attention": 0, "full_attention": 0}
         layers = []
-        for kind in hf.layer_types[: cfg.num_layers]:
-            layers.append(HybridLayer(cfg, kind, counters.get(kind, 0), tp, dtype, device, deltanet))
+        for i, kind in enumerate(hf.layer_types[: cfg.num_layers]):
+            layers.append(HybridLayer(cfg, kind, counters.get(kind, 0), tp, dtype, device, deltanet, i, spec))
             counters[kind] = counters.get(kind, 0) + 1
         self.layers = nn.ModuleList(layers)
         self.num_linear, self.num_full = counters["linear_attention"], counters["full_attention"]
@@ -251,21 +266,29 @@ def rope_table(cfg: ModelConfig, max_positions: int, device) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class HybridForCausalLM(nn.Module):
+    """The decoder and its dense weights' names; the registered classes add the experts' names."""
+
     deltanet = GatedDeltaNet
     hf_prefix = "model."  # where the checkpoint keeps the text model
+    renormalise_top_k: bool | None = None  # the router's rule when transformers hard-codes it
 
     def __init__(self, cfg: ModelConfig, *, dtype, device, max_positions: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.config, self.tp, self.dtype = cfg, tp, dtype
         check_supported(cfg)
         self._resolved: dict[str, Any] = {}
-        self.model = Backbone(cfg, tp, dtype, device, max_positions, self.deltanet)
+        self.model = Backbone(cfg, tp, dtype, device, max_positions, self.deltanet, self.moe_spec(cfg))
         if cfg.tie_word_embeddings:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=None)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, device=device)
+
+    def moe_spec(self, cfg: ModelConfig) -> MoeSpec | None:
+        if cfg.moe is None or self.renormalise_top_k is None:
+            return cfg.moe
+        return replace(cfg.moe, norm_topk_prob=self.renormalise_top_k)
 
     # -- what the engine sizes around the model --------------------------------------------------------
     @property
@@ -315,7 +338,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         shard = None
         if param in BARE:
             path, mod, param = [*path, mod], param, "weight"
-        elif path and path[-1] == "mlp" and mod in FUSED:
+        elif path and path[-1] in GATED_MLPS and mod in FUSED:
             mod, shard = FUSED[mod]
         return naming.loadable(self, hf_name, ".".join([*path, mod]), param, shard)
 
@@ -324,6 +347,10 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def lora_modules(self) -> dict[str, tuple[nn.Module, Any]]:
         return naming.modules_named(self, FUSED, LORA_TARGETS, self.hf_prefix)
+
+
+class Qwen3_5ForCausalLM(ExpertNames, HybridForCausalLM):
+    """Qwen3.5 (dense MLP, or the experts wherever the config has them)."""
 
 
 class Qwen3_5TextOfConditionalGeneration(Qwen3_5ForCausalLM):
@@ -336,12 +363,17 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     deltanet = NextGatedDeltaNet
 
 
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    renormalise_top_k = True
+
+
+class Qwen3_5MoeTextOfConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The text tower of a `Qwen3_5MoeForConditionalGeneration` checkpoint (images are not supported)."""
+
+    hf_prefix = "model.language_model."
+
+
 def check_supported(cfg: ModelConfig) -> None:
     hf = cfg.hf_config
-    if getattr(hf, "num_experts", 0):
-        raise ValueError(
-            f"{cfg.architecture} with num_experts={hf.num_experts}: the mixture-of-experts MLP is not "
-            "supported yet (dense-MLP configs are)"
-        )
     if "linear_attention" not in hf.layer_types[: cfg.num_layers]:
         raise ValueError(f"{cfg.architecture}: layer_types has no linear_attention layer")

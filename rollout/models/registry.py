@@ -16,6 +16,8 @@ MODELS: dict[str, str] = {
     "Qwen3_5ForCausalLM": "rollout.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "rollout.models.qwen3_5:Qwen3_5TextOfConditionalGeneration",
     "Qwen3NextForCausalLM": "rollout.models.qwen3_5:Qwen3NextForCausalLM",
+    "Qwen3_5MoeForCausalLM": "rollout.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "rollout.models.qwen3_5:Qwen3_5MoeTextOfConditionalGeneration",
 }
 
 

@@ -28,6 +28,7 @@ ARCH_CONFIGS = {
     "qwen3_moe": "Qwen3MoeConfig",
     "qwen3_5": "Qwen3_5TextConfig",  # hybrid: Gated DeltaNet + gated attention, 3 to 1
     "qwen3_next": "Qwen3NextConfig",  # the same mixers; its MLP is dense here (num_experts=0)
+    "qwen3_5_moe": "Qwen3_5MoeTextConfig",  # the hybrid with experts and a shared expert in every layer
 }
 # the sparse blocks of the tiny MoE models: enough experts that top-k is a real choice
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -82,14 +83,17 @@ def tiny_config(arch: str = "qwen3", *, vocab_size: int | None = None, **overrid
         base["head_dim"] = 32
     if arch in ("qwen2", "qwen2_moe"):
         base["use_sliding_window"] = False
-    if arch.endswith("_moe"):
+    if arch in ("qwen2_moe", "qwen3_moe"):
         base.update(MOE, norm_topk_prob=arch == "qwen3_moe")
-    if arch == "qwen2_moe":
+    if arch in ("qwen2_moe", "qwen3_5_moe"):
         base["shared_expert_intermediate_size"] = 48
     if arch == "mistral":
         base["sliding_window"] = None
-    if arch in ("qwen3_5", "qwen3_next"):
+    if arch in ("qwen3_5", "qwen3_next", "qwen3_5_moe"):
         base.update(HYBRID, num_hidden_layers=4)  # layers 0-2 linear attention, layer 3 full attention
+    if arch == "qwen3_5_moe":
+        del base["intermediate_size"]  # every layer is sparse: the config has no dense MLP size
+        base.update(MOE)
     if arch == "qwen3_next":
         base["num_experts"] = 0
     base.update(overrides)
