@@ -49,13 +49,13 @@ if [[ $stages == *serve* ]]; then
   grep -h '_ratio"' "$OUT"/serve_*.json | tee -a "$OUT/summary.txt"
 fi
 if [[ $stages == *fidelity* ]]; then
-  for shape in qwen3.5-2b qwen3.5-9b qwen3-30b-a3b; do
+  for shape in ${FIDELITY_SHAPES:-qwen3.5-2b qwen3.5-9b qwen3-30b-a3b}; do
     run "fidelity_$shape" "$PWD" python3 scripts/check_fidelity.py --random-shape "$shape" --layers 4 \
       --dtype bfloat16 --out "$PWD/.cache/fidelity/$shape"
   done
 fi
 if [[ $stages == *hybrid* ]]; then
-  for model in qwen3.5-2b qwen3.5-9b; do
+  for model in ${HYBRID_MODELS:-qwen3.5-2b qwen3.5-9b}; do
     run "decode_$model" "$PWD" python3 scripts/bench_decode.py --model "$model" --batch-sizes 1 64 256 \
       --context 1024 --reps 20 --json "$OUT/decode_$model.json"
     run "hybrid_$model" "$PWD" python3 scripts/bench_hybrid.py --model "$model" --json "$OUT/hybrid_$model.json"
