@@ -409,13 +409,10 @@ def _target_for(engine: Any, flatten: bool | None, abort: bool, capacity: int, k
 
 
 def _engine_order(engine: Any) -> list[str] | None:
-    """The HF names in the engine's storage order (an Engine's weight manager, or an EngineProcess's
-    start-up info), or None when it is not known (a BroadcastSender's engines)."""
-    weights = getattr(engine, "weights", None)
-    if hasattr(weights, "storage_order"):
-        return weights.storage_order()
-    info = getattr(engine, "info", None)
-    return info.get("weight_order") if isinstance(info, dict) else None
+    """The HF names in the engine's storage order (Engine.weight_order, also on its process-backed
+    forms), or None when it is not known (a BroadcastSender's engines)."""
+    order = getattr(engine, "weight_order", None)
+    return order if isinstance(order, list) else None
 
 
 def in_order(

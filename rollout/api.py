@@ -52,4 +52,15 @@ ENGINE_PROPERTIES = (
     "max_model_len",
     "stats",
     "last_stats",
+    "weight_order",
 )
+
+# the properties fixed once the engine has started: a child process reports them with its start-up
+# facts, and its process-backed forms answer them from there instead of asking per read
+CONSTANT_PROPERTIES = ("max_model_len", "pool_tokens", "weight_order")
+
+# methods whose list of (name, CPU tensor) pairs crosses to a child process as one shared-memory
+# bucket (each shared tensor would hold a file descriptor until the child is done, and hundreds reach
+# the limit): method -> (the argument holding the pairs, the argument that then says
+# "flattened_bucket"). Other tensors cross one by one, by CUDA IPC or shared memory.
+BUCKETED_TENSOR_ARGS = {"update_weights_from_tensor": ("named_tensors", "load_format")}

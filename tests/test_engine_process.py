@@ -43,6 +43,8 @@ def proc(checkpoints):
 def test_generates_like_an_in_process_engine(proc, checkpoints):
     local = Engine(checkpoints["qwen3"], **OPTIONS)
     assert proc.info["device"] == "cpu"
+    assert proc.weight_order == local.weight_order and set(proc.weight_order) == set(local.model.hf_names())
+    assert (proc.pool_tokens, proc.max_model_len) == (local.pool_tokens, local.max_model_len)
     assert outputs(proc) == outputs(local)
     assert_weights_equal(proc, load_hf(checkpoints["qwen3"]), FUSED_NAMES)
 

@@ -1,8 +1,10 @@
 """The package's import direction: serve/compat -> fronts -> process -> engine -> runner -> state ->
 attention/cache/models/lora/memory/weights -> layers/device/parsers/chat and the top-level value
 modules. No import cycles, no imports of another module's underscore names, `rollout` never imports
-`integrations`, and the checker catches a planted wrong-way import, cycle and private name
-(docs/architecture.md)."""
+`integrations`, code outside rollout/engine reaches no private component of an Engine (its weight
+manager, memory manager, pools, scheduler, runner, pipeline: it uses Engine's public methods and
+properties), and the checker catches a planted wrong-way import, cycle, private name and component
+read (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,21 @@ RANKS = {
 TOP = 0  # config, api, sampling, outputs, distributed
 FACADES = {"rollout", "rollout.__main__"}  # the package's own names and the demo: import anything
 INTEGRATIONS = 9
+# an Engine's components, its own business: outside rollout/engine only its public API is used
+ENGINE_COMPONENTS = frozenset(
+    {
+        "weights",
+        "memory",
+        "kv",
+        "state",
+        "routes",
+        "pages",
+        "scheduler",
+        "runner",
+        "pipeline",
+        "request_maker",
+    }
+)
 # same rank, still not to be imported: the two outer fronts stay apart
 FORBIDDEN = {("serve", "compat"), ("compat", "serve")}
 
@@ -90,8 +107,22 @@ def imports(root: Path, planted: dict[str, str]) -> tuple[dict[str, set[str]], l
                 target = aliases.get(node.value.id)
                 if target and node.attr.startswith("_") and not node.attr.startswith("__"):
                     private.append(f"{name} reads {target}.{node.attr}")
+        if not name.startswith("rollout.engine"):
+            private += [f"{name} reads {r}" for r in component_reads(tree)]
         edges[name].discard(name)
     return edges, private
+
+
+def component_reads(tree: ast.Module) -> list[str]:
+    """`engine.weights`, `self.engine.kv`, ...: a component read off a value named like an engine."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_COMPONENTS:
+            owner = node.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if "engine" in owner_name.lower():
+                found.append(f"{owner_name}.{node.attr} (line {node.lineno})")
+    return found
 
 
 def rank(module: str) -> int | None:
@@ -191,6 +222,8 @@ def test_every_folder_says_its_purpose_and_imports():
         ("rollout.weights.bucket", "from rollout.weights.plan import PlanCache", "cycle: "),
         ("rollout.engine.stop", "from rollout.engine.detok import _ANY", "imports rollout.engine.detok._ANY"),
         ("rollout.engine.stop", "from rollout.engine import detok\nx = detok._y", "reads rollout.engine"),
+        ("integrations.weight_sync", "order = engine.weights.storage_order()", "reads engine.weights"),
+        ("rollout.process.child", "n = self.engine.kv.num_pages", "reads engine.kv"),
     ],
 )
 def test_a_planted_import_is_caught(module: str, line: str, found: str):

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from rollout.layers import moe_kernels  # noqa: E402
-from rollout.layers.moe import experts_reference, top_k_route  # noqa: E402
+from rollout.layers.moe import MoeSpec, Router, experts_reference, top_k_route  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,6 +44,52 @@ def check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
     else:  # the kernel rounds silu(gate) * up once, the float32 reference never: a few ulp of the output
         torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=2e-2)
+
+
+def tied_logits(T: int, E: int, seed: int) -> torch.Tensor:
+    """bfloat16 router logits [T, E], each row with 3 distinct leaders then a group of 2-12 equal
+    values: with top-8 the group sits inside the top-k in some rows and straddles its edge in others."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g).clamp(-3, 3)  # below the planted values
+    for r in range(T):
+        ids = torch.randperm(E, generator=g)
+        logits[r, ids[:3]] = torch.tensor([6.0, 5.5, 5.0])
+        logits[r, ids[3 : 3 + 2 + r % 11]] = 4.0
+    return logits.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_router_ties_go_to_the_lowest_expert_id_in_any_batch(device):
+    """Equal router scores pick the lowest expert ids, as a stable sort does, whether the token is alone
+    or in a batch of 64 (torch.topk leaves ties to its kernel: on the CPU it picks other ids)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    logits, K = tied_logits(64, 128, seed=3).to(device), 8
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    stable = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :K]
+    assert ((probs == probs.gather(1, stable[:, 3:4])).sum(1) >= 2).all()  # the planted ties survive
+    weights, ids = top_k_route(logits, K, True)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), stable)
+    for r in range(len(logits)):
+        w1, i1 = top_k_route(logits[r : r + 1], K, True)
+        assert torch.equal(i1, ids[r : r + 1]) and torch.equal(w1, weights[r : r + 1])
+
+
+def test_router_equals_transformers_where_no_scores_tie():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = Qwen3MoeConfig(hidden_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)
+    theirs = Qwen3MoeTopKRouter(cfg)
+    g = torch.Generator().manual_seed(4)
+    theirs.weight.data = torch.randn(16, 32, generator=g)
+    ours = Router(MoeSpec(16, 4, 8, True), 32, dtype=torch.float32)
+    ours.weight.data.copy_(theirs.weight.data)
+    h = torch.randn(64, 32, generator=g)
+    with torch.no_grad():
+        _, want_w, want_ids = theirs(h)
+        w, ids = ours.route(h)
+    assert torch.equal(ids.long(), want_ids) and torch.equal(w, want_w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -163,24 +163,86 @@ def test_replay_keeps_router_gradients(moe_dir):
             pass
 
 
-def test_sglang_front_sends_routes_as_base64_int32(moe_dir, hf):
+def decode_routes(b64: str, seq_len: int) -> torch.Tensor:
     import base64
 
     import numpy as np
 
+    raw = np.frombuffer(base64.b64decode(b64), dtype="<i4")
+    return torch.from_numpy(raw.copy()).view(seq_len - 1, 2, 2)  # [seq_len - 1, L, K]
+
+
+def test_sglang_front_sends_routes_as_base64_int32(moe_dir, hf):
     from rollout.compat.sglang import Engine as SGLangEngine
 
     engine = SGLangEngine(moe_dir, device="cpu", page_size=4, enable_return_routed_experts=True)
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     out = engine.generate(input_ids=PROMPT, sampling_params=params, return_routed_experts=True)
     seq = PROMPT + out["output_ids"]
-    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype="<i4")
-    routes = torch.from_numpy(raw.copy()).view(len(seq) - 1, 2, 2)  # [seq_len - 1, L, K], as slime reads
+    routes = decode_routes(out["meta_info"]["routed_experts"], len(seq))  # as slime reads them
     assert route_mismatch(routes, trainer_routes(hf, seq), torch.ones(len(seq) - 1)) == 0
     streamed = list(engine.generate(input_ids=PROMPT, sampling_params=params, return_routed_experts=True,
                                     stream=True))  # fmt: skip
     assert streamed[-1]["meta_info"]["routed_experts"] == out["meta_info"]["routed_experts"]
     assert "routed_experts" not in engine.generate(input_ids=PROMPT, sampling_params=params)["meta_info"]
+
+
+def test_http_generate_streams_routes_whole_with_the_last_chunk(moe_dir, hf):
+    """As SGLang (which reads a request's routes when it finishes): the streamed chunks before the last
+    carry no routes, the last carries all of them, equal to the non-streamed answer's."""
+    import json
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+    from serve_proc import free_port
+
+    from rollout import AsyncEngine
+    from rollout.serve import build_app
+
+    engine = AsyncEngine(
+        moe_dir, device="cpu", page_size=4, max_total_tokens=512, enable_return_routed_experts=True
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name="moe"), port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_routed_experts": True,
+        }
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            whole = client.post("/generate", json=body).json()
+            with client.stream("POST", "/generate", json=body | {"stream": True}) as s:
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    seq = PROMPT + whole["output_ids"]
+    routes = decode_routes(whole["meta_info"]["routed_experts"], len(seq))
+    assert route_mismatch(routes, trainer_routes(hf, seq), torch.ones(len(seq) - 1)) == 0
+    assert len(events) > 1 and events[-1]["output_ids"] == whole["output_ids"]
+    assert all("routed_experts" not in e["meta_info"] for e in events[:-1])
+    assert events[-1]["meta_info"]["routed_experts"] == whole["meta_info"]["routed_experts"]
+
+
+def test_joined_stream_deltas_keep_the_last_deltas_routes():
+    """A caller behind the step loop gets queued deltas joined into one: the routes on the last must
+    survive the join (the process-backed front joins its final output with pending token deltas)."""
+    from rollout.fronts.stream_deltas import merge
+    from rollout.outputs import CompletionOutput, RequestOutput
+
+    routes = torch.arange(8, dtype=torch.int32).view(2, 2, 2)
+    first = CompletionOutput(0, [5], "", None, None, None, weight_versions=[0])
+    last = CompletionOutput(0, [6], "", None, None, "length", weight_versions=[0], routed_experts=routes)
+    outs = [RequestOutput([4], [c], request_id="r") for c in (first, last)]
+    joined = merge(outs).outputs[0]
+    assert joined.token_ids == [5, 6] and joined.routed_experts is routes
 
 
 def test_vllm_front_gives_routes_on_each_completion(moe_dir, hf):

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from test_sampler_exact import CASES, QWEN_VOCAB, make_logits  # noqa: E402
 
 from rollout import SamplingParams  # noqa: E402
+from rollout.layers.topk import topk_lowest_index_first  # noqa: E402
 from rollout.runner import sample_kernel, sampler, softmax_kernel  # noqa: E402
 from rollout.runner.sampler import SamplingBatch, sample  # noqa: E402
 
@@ -171,7 +172,7 @@ def test_sample_on_the_triton_path(triton_path):
     assert torch.equal(res.tokens, torch.where(greedy, logits.argmax(dim=-1), want_tokens))
     torch_lp = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
     torch.testing.assert_close(res.logprobs, torch_lp.gather(1, res.tokens.unsqueeze(1)).squeeze(1))
-    want_top = sampler._topk_lowest_id_first(lp, 3)
+    want_top = topk_lowest_index_first(lp, 3)
     assert torch.equal(res.top_ids, want_top[1]) and torch.equal(res.top_logprobs, want_top[0])
 
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import PROMPTS
 
 from rollout import Engine, EngineProcess, SamplingParams
-from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.api import BUCKETED_TENSOR_ARGS, CONSTANT_PROPERTIES, ENGINE_METHODS, ENGINE_PROPERTIES
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, logprobs=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True, seed=7, n=2)
@@ -145,6 +145,15 @@ def test_the_api_list_names_every_public_method_and_property():
     props = {n for n in public if isinstance(getattr(Engine, n), property)}
     assert methods == set(ENGINE_METHODS)
     assert props == set(ENGINE_PROPERTIES)
+
+
+def test_the_declared_constants_and_tensor_arguments_name_the_api():
+    """The process forms read these declarations: a constant is a property the start-up facts carry,
+    a bucketed method's two arguments are parameters of its Engine signature."""
+    assert set(CONSTANT_PROPERTIES) <= set(ENGINE_PROPERTIES)
+    for method, (pairs, fmt) in BUCKETED_TENSOR_ARGS.items():
+        assert method in ENGINE_METHODS
+        assert {pairs, fmt} <= set(inspect.signature(getattr(Engine, method)).parameters)
 
 
 @pytest.mark.parametrize("name", ENGINE_METHODS)

@@ -63,7 +63,7 @@ def test_repeated_updates_equal_the_trainer_bit_for_bit(checkpoints, family, how
             engine.update_weights_from_tensor(named)
         else:
             if how == "bucket in storage order":
-                named = in_order(named, engine.weights.storage_order())
+                named = in_order(named, engine.weight_order)
             engine.update_weights_from_tensor(pack(named), load_format="flattened_bucket")
         assert_weights_equal(engine, trainer, all_names(trainer) + FUSED_NAMES)
     assert (plans.misses, plans.hits, len(plans)) == (1, 2, 1)
@@ -71,7 +71,7 @@ def test_repeated_updates_equal_the_trainer_bit_for_bit(checkpoints, family, how
 
 def test_a_bucket_in_storage_order_is_one_copy(checkpoints, family):
     engine = make_engine(checkpoints[family])
-    named = in_order(state_list(load_hf(checkpoints[family])), engine.weights.storage_order())
+    named = in_order(state_list(load_hf(checkpoints[family])), engine.weight_order)
     prepared = engine.weights.unpack(pack(named), "flattened_bucket")
     assert prepared.plan.runs is not None and len(prepared.plan.runs) == 1
     prepared = engine.weights.unpack(pack(named[::-1]), "flattened_bucket")  # reversed: one run each
@@ -109,7 +109,7 @@ def test_a_refused_update_with_a_cached_plan_writes_nothing(checkpoints, how, fa
     engine = make_engine(checkpoints["qwen2"], dtype="float16")
     named = state_list(perturbed(checkpoints["qwen2"], seed=5))
     if how == "bucket in storage order":
-        named = in_order(named, engine.weights.storage_order())
+        named = in_order(named, engine.weight_order)
 
     def send(pairs):
         if how == "list":

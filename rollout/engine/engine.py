@@ -192,6 +192,12 @@ class Engine(TrainerMethods):
         return self.weights.version
 
     @property
+    def weight_order(self) -> list[str]:
+        """The HF names in the order their bytes lie in the weight storage: a trainer that packs a
+        bucket in this order, in the engine's dtype, has it loaded as one copy per contiguous run."""
+        return self.weights.storage_order()
+
+    @property
     def released_tags(self) -> frozenset[str]:
         """The memory tags released now."""
         return self.memory.released

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.api import CONSTANT_PROPERTIES, ENGINE_METHODS, ENGINE_PROPERTIES
 from rollout.engine.chat import load_tokenizer
 from rollout.engine.driver import PAUSE_MODES, PauseMode
 from rollout.engine.engine import Engine
@@ -51,7 +51,6 @@ from rollout.sampling import SamplingParams
 
 log = logging.getLogger("rollout")
 
-CONSTANT_PROPERTIES = ("max_model_len", "pool_tokens")  # read once at start-up, not per call
 CLOSE_TIMEOUT_S = 60.0  # how long close() waits for the child to shut its engine down
 ACK_AFTER_S = 0.05  # the longest an update's ACK waits for its callers' loops (one that stopped running
 # must not hold back every other caller's outputs)

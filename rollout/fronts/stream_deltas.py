@@ -26,6 +26,8 @@ def join(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
         stop_reason=b.stop_reason if b.finish_reason else a.stop_reason,
         weight_versions=a.weight_versions + b.weight_versions,
         logprob_ranks=None if a.logprob_ranks is None else a.logprob_ranks + (b.logprob_ranks or []),
+        # routes come whole, with a sample's last delta
+        routed_experts=b.routed_experts if b.routed_experts is not None else a.routed_experts,
     )
 
 

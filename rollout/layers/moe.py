@@ -10,12 +10,13 @@ Interface (reused by every MoE family):
                                       # scalar) are real tokens: the others get no expert work
 
 The router is transformers' (Qwen2/Qwen3-MoE `TopKRouter`): logits in the model dtype, softmax in float32,
-top-k, renormalised when `norm_topk_prob`, the weights rounded to the model dtype. The experts hold one
-fused layout, `gate_up_proj` [E, 2 * I, H] (gate rows, then up rows) and `down_proj` [E, H, I], the
-layout transformers 5 keeps in memory; the hub's per-expert tensors load into slices of it. On CUDA the
-experts run in one fused Triton pipeline (layers/moe_kernels.py: sort by expert, grouped GEMMs with
-SiLU-and-mul, weighted combine; no host syncs, so decode steps are captured in CUDA graphs); elsewhere
-`experts_reference`, a torch loop over the experts hit.
+top-k (equal scores to the lowest expert id: layers/topk.py), renormalised when `norm_topk_prob`, the
+weights rounded to the model dtype. The experts hold one fused layout, `gate_up_proj` [E, 2 * I, H]
+(gate rows, then up rows) and `down_proj` [E, H, I], the layout transformers 5 keeps in memory; the
+hub's per-expert tensors load into slices of it. On CUDA the experts run in one fused Triton pipeline
+(layers/moe_kernels.py: sort by expert, grouped GEMMs with SiLU-and-mul, weighted combine; no host
+syncs, so decode steps are captured in CUDA graphs); elsewhere `experts_reference`, a torch loop over
+the experts hit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from rollout.distributed import SINGLE, TPGroup
 from rollout.layers.fused import use_fused
 from rollout.layers.linear import ReplicatedLinear, Shard, empty_param
 from rollout.layers.mlp import GatedMLP
+from rollout.layers.topk import topk_lowest_index_first
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"  # the fused parameters (and their HF names)
 PER_EXPERT = {"gate_proj": (GATE_UP, 0), "up_proj": (GATE_UP, 1), "down_proj": (DOWN, None)}
@@ -66,10 +68,12 @@ class Router(ReplicatedLinear):
 
 def top_k_route(logits: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' routing from router logits [T, E] (model dtype): float32 softmax, top-k, optional
-    renormalisation, weights rounded to the logits' dtype. torch.topk is row-wise, so a token's experts
-    do not depend on the batch around it."""
+    renormalisation, weights rounded to the logits' dtype. Equal probabilities (bfloat16 logits tie
+    often) go to the lowest expert id, as a stable sort would pick: torch.topk leaves ties to its
+    kernel, so a token's experts would depend on the batch around it and the device. The torch and the
+    fused experts both take their ids from here."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k, dim=-1)
+    weights, ids = topk_lowest_index_first(probs, k, nonnegative=True)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), ids.to(torch.int32)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from rollout.api import CONSTANT_PROPERTIES
 from rollout.process.wire import CLOSE, Call, Reply, error_reply
 
 KILL_GRACE_S = 3.0  # after terminate(), how long a child gets before it is killed
@@ -57,10 +58,7 @@ def engine_facts(engine: Any) -> dict:
         "dtype": str(engine.dtype),
         "model_path": str(engine.config.model),
         "tp_rank": engine.tp.rank,
-        "max_model_len": engine.max_model_len,
-        "pool_tokens": engine.pool_tokens,
-        # a trainer packs buckets in this order so that each loads as one copy
-        "weight_order": engine.weights.storage_order(),
+        **{name: getattr(engine, name) for name in CONSTANT_PROPERTIES},
     }
 
 

@@ -26,7 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
-from rollout.api import ENGINE_METHODS, ENGINE_PROPERTIES
+from rollout.api import BUCKETED_TENSOR_ARGS, CONSTANT_PROPERTIES, ENGINE_METHODS, ENGINE_PROPERTIES
 from rollout.engine.engine import Engine
 from rollout.process import ipc
 from rollout.process.child import serve_child, stop_child
@@ -167,21 +167,22 @@ def encode_args(method: str, args: tuple, kwargs: dict) -> tuple[bytes, set]:
     """A call's arguments pickled once, tensors as handles (see rollout/process/ipc.py); also the devices of
     those tensors (the caller runs `ipc.release()` after the answer when one is a GPU)."""
     devices: set = set()
-    if method == "update_weights_from_tensor":
-        args, kwargs = _cpu_list_as_bucket(args, kwargs)
+    if method in BUCKETED_TENSOR_ARGS:
+        args, kwargs = _cpu_list_as_bucket(method, args, kwargs)
     payload = ForkingPickler.dumps((ipc.to_handles(args, devices), ipc.to_handles(kwargs, devices)))
     ipc.ready_for_peer(devices)
     return bytes(payload), devices
 
 
-def _cpu_list_as_bucket(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """update_weights_from_tensor's long lists of CPU tensors as one shared-memory bucket: each shared
-    tensor would hold a file descriptor until the child is done, and hundreds reach the fd limit."""
+def _cpu_list_as_bucket(method: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A long list of CPU tensors (rollout.api.BUCKETED_TENSOR_ARGS) as one shared-memory bucket: each
+    shared tensor would hold a file descriptor until the child is done, and hundreds reach the fd limit."""
+    pairs, format_arg = BUCKETED_TENSOR_ARGS[method]
     try:
-        bound = inspect.signature(Engine.update_weights_from_tensor).bind(None, *args, **kwargs)
+        bound = inspect.signature(getattr(Engine, method)).bind(None, *args, **kwargs)
     except TypeError:
         return args, kwargs  # the child raises the real error
-    named, fmt = bound.arguments.get("named_tensors"), bound.arguments.get("load_format")
+    named, fmt = bound.arguments.get(pairs), bound.arguments.get(format_arg)
     if isinstance(named, dict):
         named = list(named.items())
     if fmt is not None or not isinstance(named, (list, tuple)) or len(named) < BUCKET_FROM:
@@ -197,7 +198,7 @@ def _cpu_list_as_bucket(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     size = sum(t.numel() * t.element_size() for _, t in named)
     bucket = pack(list(named), out=empty_buffer(size, shared=True))
-    bound.arguments["named_tensors"], bound.arguments["load_format"] = bucket, "flattened_bucket"
+    bound.arguments[pairs], bound.arguments[format_arg] = bucket, "flattened_bucket"
     return bound.args[1:], bound.kwargs
 
 
@@ -219,6 +220,8 @@ def _forward(name: str) -> Any:
 
 
 def _read(name: str) -> property:
+    if name in CONSTANT_PROPERTIES:  # sent with the start-up facts
+        return property(lambda self: self.info[name], doc=getattr(Engine, name).__doc__)
     return property(lambda self: self.call(GET, name), doc=getattr(Engine, name).__doc__)
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.device.staging import Staging, to_device
+from rollout.layers.topk import topk_lowest_index_first
 from rollout.runner.logit_adjust import LogitAdjust
 from rollout.sampling import SamplingParams
 
@@ -129,7 +130,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
         logprobs = torch.log_softmax(raw.float() / scale, dim=-1)  # raw: before penalties and bias
     top_ids = top_lp = None
     if sb.num_top_logprobs:
-        top_lp, top_ids = _topk_lowest_id_first(logprobs, sb.num_top_logprobs)
+        top_lp, top_ids = topk_lowest_index_first(logprobs, sb.num_top_logprobs)
     chosen = logprobs.gather(1, tokens.unsqueeze(1))
     ranks = (logprobs >= chosen).sum(dim=1) if sb.logprob_ranks else None  # one pass, only when asked
     return SampleResult(tokens, chosen.squeeze(1), top_ids, top_lp, ranks)
@@ -328,17 +329,6 @@ def _softmax_kernel():
     except ImportError:
         return None
     return softmax_kernel
-
-
-def _topk_lowest_id_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk of float32 rows with equal values in token-id order (plain topk leaves ties to the kernel,
-    which may change with the batch). Each entry gets a distinct int64 key: the value's bits, made to
-    order like the float, above the inverted token id."""
-    bits = (x + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into 0.0
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, lower key
-    ids = torch.arange(x.shape[1], device=x.device)
-    _, idx = (bits * 2**32 + (2**32 - 1 - ids)).topk(k, dim=-1)
-    return x.gather(1, idx), idx
 
 
 CDF_BLOCK = 1024

@@ -90,7 +90,8 @@ class GenerateRequest(Strict):
     top_logprobs_num: int = 0
     rid: str | list[str] | None = None
     stream: bool = False
-    # MoE models on a server started with routed experts on: meta_info["routed_experts"] (not streamed)
+    # MoE models on a server started with routed experts on: meta_info["routed_experts"]; streamed: with
+    # the last chunk only, whole (SGLang reads them when a request finishes)
     return_routed_experts: bool = False
 
 
