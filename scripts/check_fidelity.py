@@ -148,7 +148,9 @@ PUBLISHED: dict[str, dict] = {
 # The text model of the published Qwen3.5 checkpoints (Qwen/Qwen3.5-0.8B, -2B, -9B: config.json's
 # text_config, written down from the published files; the Hub is not reachable from the test machines),
 # as the text-only Qwen3_5ForCausalLM reads it. 3 Gated DeltaNet layers to 1 gated-attention layer
-# (full_attention_interval 4); partial rotary 0.25 of head_dim 256.
+# (full_attention_interval 4); partial rotary 0.25 of head_dim 256. Checked on 2026-12-08 against copies of
+# the Hub files quoted in public repositories (Qwen3.5-0.8B at revision 2fc06364, 2B, 9B, 35B-A3B, and
+# Qwen3-Coder-Next for the Qwen3-Next widths): every width, head count, layer count and tie flag agrees.
 QWEN35_COMMON = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "attention_bias": False,
     "attention_dropout": 0.0, "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,

@@ -7,6 +7,11 @@
 # ratios, 3 runs each. fidelity: check_fidelity at the Qwen3.5-2B/9B and Qwen3-30B-A3B shapes (4 layers).
 # hybrid: the Qwen3.5 decode step and GRPO-shaped throughput. moe: scripts/bench_moe.py (48 layers).
 # LIMIT (seconds, default 900) bounds each stage, so that a hung stage leaves time for the rest.
+# bench alternates the trees REPEATS times (default 2): one run each swung by a millisecond a step on
+# an H100 (2026-12-08). serve needs fastapi, uvicorn and httpx, which the device image lacks: carry
+# them as wheels (`bash ../shared/device/wheels.sh .whl fastapi uvicorn httpx starlette h11 httpcore
+# anyio sniffio click idna certifi pydantic pydantic-core annotated-types typing-inspection
+# typing-extensions`: 3.7 MB more).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_logs}
@@ -28,14 +33,19 @@ run() {  # run NAME DIR CMD...: CMD in DIR with DIR on PYTHONPATH, output to $OU
 }
 stages=${STAGES:-tests bench}
 if [[ $stages == *tests* ]]; then
-  run gpu_tests "$PWD" python3 -m pytest -q -m gpu --durations=15 ${TESTS:-tests}
+  run gpu_tests "$PWD" python3 -m pytest -v -rfE -m gpu --durations=15 ${TESTS:-tests}
 fi
 if [[ $stages == *bench* ]]; then
+  for rep in $(seq "${REPEATS:-2}"); do
+    for tree in "$PWD" "$BASE"; do
+      tag=$([[ $tree == "$PWD" ]] && echo head || echo base)_$rep
+      # this tree's script for both trees: the same warm-up and floor (it imports either layout)
+      run "decode_$tag" "$tree" python3 "$PWD/scripts/bench_decode.py" --model qwen2.5-0.5b \
+        --batch-sizes 1 64 256 --reps 30 --json "$OUT/decode_$tag.json"
+    done
+  done
   for tree in "$PWD" "$BASE"; do
     tag=$([[ $tree == "$PWD" ]] && echo head || echo base)
-    # this tree's script for both trees: the same warm-up and floor (it imports either layout)
-    run "decode_$tag" "$tree" python3 "$PWD/scripts/bench_decode.py" --model qwen2.5-0.5b --batch-sizes 1 64 256 \
-      --reps 30 --json "$OUT/decode_$tag.json"
     run "sync_$tag" "$tree" python3 scripts/bench_weight_sync.py --models qwen2.5-0.5b --buckets-mb 128 \
       --no-nccl
   done

@@ -40,7 +40,9 @@ def test_chunked_equals_recurrent_and_transformers():
     o, s = gated_delta.chunked_one(qp, kp, v, g, beta, s0)
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
-    o_hf, s_hf = hf.torch_chunk_gated_delta_rule(
+    # the torch function itself: transformers 5.17 wraps it to call fla when installed, CPU inputs too
+    torch_rule = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
+    o_hf, s_hf = torch_rule(
         q[None], k[None], v[None], g[None], beta[None], initial_state=s0[None], output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
