@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -55,3 +58,46 @@ def assert_ranks(lp: torch.Tensor, tokens: list[int], ranks: list[int], tol: flo
     high = (lp >= chosen - tol).sum(1)
     for r, lo, hi in zip(ranks, low.tolist(), high.tolist()):
         assert lo <= r <= hi, (ranks, low.tolist(), high.tolist())
+
+
+def resolve_ties(logits: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """transformers' router top-k `ids` [T, k], except where the k-th and the next probability are
+    exactly equal (a zero hidden state, e.g. the padding token's zero embedding, ties every expert):
+    there the k lowest expert ids among the highest, as the engine picks them (layers/topk.py), since
+    torch.topk leaves ties to its kernel. Untied rows must equal the top-k of the recorded logits."""
+    from rollout.layers.topk import topk_lowest_index_first
+
+    probs = torch.softmax(logits.float(), dim=-1)
+    _, lowest = topk_lowest_index_first(probs, k, nonnegative=True)
+    if k == probs.shape[-1]:
+        return ids
+    top = probs.topk(k + 1, dim=-1).values
+    tied = top[:, k - 1] == top[:, k]
+    assert torch.equal(ids[~tied].sort(-1).values, lowest[~tied].sort(-1).values)
+    return torch.where(tied[:, None], lowest, ids)
+
+
+@contextmanager
+def router_top_k(model) -> Iterator[list[torch.Tensor]]:
+    """Yields a list receiving, per forward of `model` (transformers, MoE), each token's routed experts
+    [T, sparse layers, top_k] int32: transformers' router top-k with exact ties resolved as the engine
+    resolves them (`resolve_ties`)."""
+    from integrations.routing_replay import moe_gates
+
+    gates = moe_gates(model)
+    layers: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
+
+    def hook(module, args, output) -> None:
+        logits, _, ids = output
+        layers.append(resolve_ties(logits.detach(), ids.detach(), module.top_k))
+        if len(layers) == len(gates):
+            out.append(torch.stack(layers, dim=1).int())
+            layers.clear()
+
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()

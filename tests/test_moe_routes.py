@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import router_top_k
 from weights_helpers import load_hf
 
 from integrations.routing_replay import RouteRecorder, RoutingReplay, pad_routes, route_mismatch
@@ -43,10 +44,11 @@ def engine_for(path: str, **kw) -> Engine:
 
 
 def trainer_routes(hf, tokens: list[int]) -> torch.Tensor:
-    """transformers' own router top-k for tokens[:-1] (each token the engine ran forward)."""
-    with torch.no_grad(), RouteRecorder(hf).record() as got:
+    """transformers' own router top-k for tokens[:-1] (each token the engine ran forward), exact ties
+    resolved as the engine resolves them."""
+    with torch.no_grad(), router_top_k(hf) as got:
         hf(torch.tensor([tokens[:-1]]))
-    return got[0].int()
+    return got[0]
 
 
 def assert_routes_match(hf, outs) -> int:

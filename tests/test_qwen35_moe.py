@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import router_top_k
 from safetensors.torch import save_file
 from test_moe_models import per_expert_names
 from test_qwen35 import build_checkpoint, engine, greedy, hf_gap, prompt_of, save_random
 from weights_helpers import perturb
 
-from integrations.routing_replay import RouteRecorder, RoutingReplay
+from integrations.routing_replay import RoutingReplay
 from rollout import Engine, SamplingParams
 from rollout.models.config import ModelConfig
 
@@ -78,9 +79,9 @@ def greedy_routed(n: int) -> SamplingParams:
 def hf_routes(model, tokens: list[int]) -> torch.Tensor:
     """transformers' own router top-k ([T, sparse layers, top_k]) of tokens[:-1] (each token the engine
     ran forward)."""
-    with torch.no_grad(), RouteRecorder(model).record() as got:
+    with torch.no_grad(), router_top_k(model) as got:
         model.model(torch.tensor([tokens[:-1]]))
-    return got[0].int()
+    return got[0]
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,12 +266,12 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(tmp_path):
     params = greedy_routed(12)
     out = eng.generate(input_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0]
     tokens = torch.tensor([prompt + out.token_ids])
-    with torch.inference_mode(), RouteRecorder(model).record() as got:
+    with torch.inference_mode(), router_top_k(model) as got:
         hidden = model.model.language_model(tokens[:, :-1]).last_hidden_state[0]
         logp = torch.log_softmax(model.lm_head(hidden).float(), -1)
     ref = logp[len(prompt) - 1 :].gather(1, tokens[0, len(prompt) :, None])[:, 0]
     assert np.abs(np.array(out.logprobs) - ref.numpy()).max() <= TOL
-    assert same_sets(out.routed_experts, got[0].int())
+    assert same_sets(out.routed_experts, got[0])
     # the trainer's fused names under the tower's prefix update it
     state = {n: p.detach() for n, p in model.named_parameters() if n.startswith("model.language_model.")}
     fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
@@ -295,14 +296,14 @@ def real_width_check(folder: Path, vocab: int) -> None:
     model = cf.load_hf(folder, torch.float32, "cpu")
     tokens = prompt + out.token_ids
     rows = ROWS + list(range(PROMPT_LEN - 1, PROMPT_LEN - 1 + NEW))
-    with RouteRecorder(model).record() as got:
+    with router_top_k(model) as got:
         logits = cf.hf_logits(model, tokens, rows)
     del model
     gc.collect()
     assert (prefill - logits[: len(ROWS)]).abs().max().item() <= TOL
     assert np.abs(np.array(out.logprobs) - cf.token_logprobs(logits[len(ROWS) :], out.token_ids)).max() <= TOL
     assert out.token_ids == logits[len(ROWS) :].argmax(-1).tolist()
-    assert same_sets(out.routed_experts, got[0].int()[: len(tokens) - 1])
+    assert same_sets(out.routed_experts, got[0][: len(tokens) - 1])
 
 
 @pytest.mark.slow

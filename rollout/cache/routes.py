@@ -37,6 +37,7 @@ class RouteStore:
     def __init__(self, num_slots: int, num_layers: int, top_k: int, num_experts: int, device: torch.device):
         dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.table = torch.full((num_slots, num_layers, top_k), -1, dtype=dtype, device=device)
+        self._stream: torch.cuda.Stream | None = None  # for reads (read_many), made on first use
 
     @property
     def nbytes(self) -> int:
@@ -47,8 +48,23 @@ class RouteStore:
 
     def read(self, slots: np.ndarray) -> torch.Tensor:
         """The routes of tokens in `slots` (host array), as a CPU int32 tensor [len(slots), L, K]."""
-        index = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=self.table.device)
-        return self.table[index].to("cpu", torch.int32)
+        return self.read_many([slots])[0]
+
+    def read_many(self, slot_lists: list[np.ndarray]) -> list[torch.Tensor]:
+        """The routes of several token lists in one gather and one copy to the host.
+
+        On a GPU the read runs on a stream of its own. The rows it reads were written by steps already
+        collected, while the default stream may be running the next step (overlap): reading there would
+        wait for that step, once per finishing sequence."""
+        sizes = [len(s) for s in slot_lists]
+        index = torch.from_numpy(np.concatenate([np.asarray(s, dtype=np.int64) for s in slot_lists]))
+        if self.table.device.type != "cuda":
+            return list(self.table[index].to(torch.int32).split(sizes))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.table.device)
+        with torch.cuda.stream(self._stream):
+            rows = self.table[index.to(self.table.device)].to("cpu", torch.int32)  # waits for this stream
+        return list(rows.split(sizes))
 
 
 def encode_routes(routes: Any) -> str:

@@ -57,6 +57,9 @@ class Scheduler:
         # set by retract_all until the next batch runs: the requests in flight hold no KV, so the engine
         # may change weights or memory under them (they recompute their KV when they resume)
         self.retracted = False
+        # (sequence, slots) of routes to read before any slot is reused: postprocess reads the ones of
+        # every sequence it finishes at once (None outside postprocess: read at once)
+        self._route_reads: list[tuple[Sequence, np.ndarray]] | None = None
 
     def add(self, request: Request) -> None:
         """Queue a request; its first sample prefills the prompt, the others then share its pages."""
@@ -202,8 +205,17 @@ class Scheduler:
         size = self.pages.page_size
         pos = np.arange(start, end)
         slots = np.asarray(seq.pages, dtype=np.int64)[pos // size] * size + pos % size
-        seq.routes.append(self.routes.read(slots))
         seq.num_routes = end
+        if self._route_reads is not None:
+            self._route_reads.append((seq, slots))
+        else:
+            seq.routes.append(self.routes.read(slots))
+
+    def _read_deferred_routes(self) -> None:
+        reads, self._route_reads = self._route_reads, None
+        if reads:
+            for (seq, _), rows in zip(reads, self.routes.read_many([slots for _, slots in reads])):
+                seq.routes.append(rows)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -267,6 +279,15 @@ class Scheduler:
         """Once an accounted step's results are back: put each sampled token (with the `weight_version`
         that sampled it) in place of its placeholder, finish what stopped. Returns the requests that
         gained a token (finished ones have left the scheduler)."""
+        self._route_reads = []  # no slot is allocated until this returns: the reads can wait till then
+        try:
+            return self._postprocess(batch, rows, out, weight_version)
+        finally:
+            self._read_deferred_routes()
+
+    def _postprocess(
+        self, batch: ScheduledBatch, rows: list[Sequence | None], out: StepOutput | None, weight_version: int
+    ) -> list[Request]:
         touched: dict[Hashable, Request] = {}
         if out is not None and out.prompt:
             _add_prompt_logprobs(batch, out.prompt)
