@@ -176,3 +176,35 @@ def test_rope_at_real_heads_with_the_real_table(name, dtype):
     gq, gk = fused.rope(q, k, cos_sin)
     check(gq, rope(q, cos_sin))
     check(gk, rope(k, cos_sin))
+
+
+# -- Qwen3.5's zero-centred norm: x_hat * (1 + w) in float32, one rounding ----------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centred_norm_matches_the_models_torch_code(dtype):
+    """The fused kernels with centred=True against ZeroCentredRMSNorm's torch path, at the Qwen3.5 widths:
+    rows of the hidden size (2048), q/k heads of 256 as strided views of the gated q projection, and the
+    residual add before the norm."""
+    from rollout.models.qwen3_5 import ZeroCentredRMSNorm
+
+    torch.manual_seed(3)
+    norm = ZeroCentredRMSNorm(2048, 1e-6, dtype=dtype, device=DEVICE)
+    heads = ZeroCentredRMSNorm(256, 1e-6, dtype=dtype, device=DEVICE)
+    for n in (norm, heads):  # zero-centred weights sit around 0 (the scale is 1 + w)
+        n.weight.data.copy_(torch.randn(n.weight.shape, device=DEVICE).mul(0.1).to(dtype))
+    x, residual = (torch.randn(7, 2048, device=DEVICE).to(dtype) * 3 for _ in range(2))
+
+    def reference(n, t):  # the torch path (forward off CUDA)
+        h = t.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + n.eps)
+        return (h * (1.0 + n.weight.float())).to(t.dtype)
+
+    check(fused.rms_norm(x, norm.weight, 1e-6, centred=True), reference(norm, x))
+    out, res = fused.add_rms_norm(x, residual, norm.weight, 1e-6, centred=True)
+    check(res, x + residual)
+    exact_sum = DEVICE == "cuda" or dtype != torch.bfloat16  # see test_add_rms_norm_rounds_the_sum_like_torch
+    check(out, reference(norm, x + residual if exact_sum else res))
+    q, _gate = torch.randn(5, 8, 2 * 256, device=DEVICE).to(dtype).chunk(2, dim=-1)  # [T, H, D] strided
+    check(fused.rms_norm(q, heads.weight, 1e-6, centred=True), reference(heads, q))
+    if DEVICE == "cuda":  # the module takes the fused path there
+        check(norm(x), reference(norm, x))
+        check(norm(x, residual)[0], reference(norm, x + residual))

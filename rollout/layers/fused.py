@@ -32,27 +32,28 @@ def _kernels():
     return fused_kernels
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) over the last dim, as layers.norm.RMSNorm; x: [..., N], any strides whose
-    last dim is contiguous and whose leading dims are at most two. Returns a contiguous tensor."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, centred: bool = False) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dim, as layers.norm.RMSNorm (`centred`: (1 + weight) * ..., as
+    Qwen3.5's zero-centred norm); x: [..., N], any strides whose last dim is contiguous and whose
+    leading dims are at most two. Returns a contiguous tensor."""
     if x.dim() > 3 or x.stride(-1) != 1:
         x = x.reshape(-1, x.shape[-1])
     x3 = x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel():
-        _kernels().rms_norm(x3, weight, eps, out.view(x3.shape))
+        _kernels().rms_norm(x3, weight, eps, out.view(x3.shape), centred)
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, centred: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one kernel, the sum rounded to the model dtype as the
     unfused `residual + x` is; x, residual: [T, N]."""
     x, residual = x.contiguous(), residual.contiguous()
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     if x.numel():
-        _kernels().add_rms_norm(x, residual, weight, eps, out, res_out)
+        _kernels().add_rms_norm(x, residual, weight, eps, out, res_out, centred)
     return out, res_out
 
 

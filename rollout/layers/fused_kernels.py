@@ -12,7 +12,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_a, stride_b, B, N, eps, BLOCK_N: tl.constexpr):
+def _scale(x, inv, w_ptr, offs, mask, ty, CENTRED: tl.constexpr):
+    """The normalised row times the weight: w * round(x_hat) (Llama: torch rounds the normalised row to
+    the model dtype first), or x_hat * (1 + w) in float32 with one rounding at the end (CENTRED: Qwen3.5's
+    zero-centred norm)."""
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if CENTRED:
+        return (x * inv * (1.0 + w)).to(ty)
+    return (w * (x * inv).to(ty).to(tl.float32)).to(ty)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, stride_a, stride_b, B, N, eps, BLOCK_N: tl.constexpr, CENTRED: tl.constexpr
+):
     row = tl.program_id(0)
     a, b = row // B, row % B
     offs = tl.arange(0, BLOCK_N)
@@ -20,13 +33,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_a, stride_b, B, N, eps, BLOCK
     x = tl.load(x_ptr + a.to(tl.int64) * stride_a + b * stride_b + offs, mask=mask, other=0.0)
     x = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    # torch rounds the normalised row to the model dtype before scaling by the weight
-    h = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * N + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _scale(x, inv, w_ptr, offs, mask, out_ptr.dtype.element_ty, CENTRED)
+    tl.store(out_ptr + row.to(tl.int64) * N + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, centred: bool = False
+) -> None:
     # x: [A, B, N] (last dim contiguous), out: [A, B, N] contiguous
     A, B, N = x.shape
     block = triton.next_power_of_2(N)
@@ -40,12 +53,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
         N,
         eps,
         BLOCK_N=block,
+        CENTRED=centred,
         num_warps=min(16, max(1, block // 256)),
     )
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, BLOCK_N: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, BLOCK_N: tl.constexpr, CENTRED: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < N
@@ -56,16 +72,14 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, N, eps, BLOCK_N:
     tl.store(res_ptr + row * N + offs, s, mask=mask)
     s = s.to(tl.float32)
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / N + eps)
-    h = (s * inv).to(ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (w * h).to(ty), mask=mask)
+    tl.store(out_ptr + row * N + offs, _scale(s, inv, w_ptr, offs, mask, ty, CENTRED), mask=mask)
 
 
-def add_rms_norm(x, residual, weight, eps: float, out, res_out) -> None:
+def add_rms_norm(x, residual, weight, eps: float, out, res_out, centred: bool = False) -> None:
     # x, residual, out, res_out: [T, N] contiguous
     T, N = x.shape
     block = triton.next_power_of_2(N)
-    _add_rms_norm_kernel[(T,)](x, residual, weight, out, res_out, N, eps, BLOCK_N=block,
+    _add_rms_norm_kernel[(T,)](x, residual, weight, out, res_out, N, eps, BLOCK_N=block, CENTRED=centred,
                                num_warps=min(16, max(1, block // 256)))  # fmt: skip
 
 

@@ -34,8 +34,9 @@ from torch import nn
 
 from rollout.attention.base import ForwardContext
 from rollout.distributed import SINGLE, TPGroup
-from rollout.layers import gated_delta, short_conv
+from rollout.layers import fused, gated_delta, short_conv
 from rollout.layers.embedding import LMHead, VocabEmbedding
+from rollout.layers.fused import use_fused
 from rollout.layers.linear import RowLinear, empty_param
 from rollout.layers.moe import MoeSpec
 from rollout.layers.packed import Packed
@@ -64,8 +65,12 @@ class ZeroCentredRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
+            if use_fused(x):
+                return fused.add_rms_norm(x, residual, self.weight, self.eps, centred=True)
             s = x + residual
             return self.forward(s), s
+        if use_fused(x):  # one kernel instead of nine (layers/fused.py)
+            return fused.rms_norm(x, self.weight, self.eps, centred=True)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
