@@ -32,7 +32,7 @@ def split_kv_bytes(
     # eager: a plan splits KV only while its tiles fit the grid, and a tile holds at most 128 rows
     rows = split_rows * 128
     # the CUDA-core decode kernel (no tensor cores): one row per request and head, grid-bound
-    rows = max(rows, max(2 * num_sm, graph_batch))
+    rows = max(rows, 2 * num_sm, graph_batch)
     if graph_batch:
         # a graph's plan is padded for any lengths: one tile per request beyond its packed rows
         tile = cta_tile_q(group, head_dim)

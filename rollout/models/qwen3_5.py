@@ -43,13 +43,14 @@ from rollout.layers.packed import Packed
 from rollout.models import naming
 from rollout.models.config import ModelConfig, rope_parameters, rope_type
 from rollout.models.llama import FUSED, MLP
+from rollout.models.llama import LORA_TARGETS as LLAMA_LORA_TARGETS
 from rollout.models.sparse import ExpertNames, feed_forward, run_feed_forward
 
 SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
 # the Hugging Face modules a LoRA adapter may target (the ones this model has; "all-linear": all of them)
 LORA_TARGETS = (
-    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "out_proj"),
-    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
+    *LLAMA_LORA_TARGETS,  # the gated attention's q/k/v/o and the MLP's
+    *("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba"),
 )
 BARE = ("dt_bias", "A_log")  # parameters named without a ".weight" (kept in a Packed holder each)
 GATED_MLPS = ("mlp", "shared_expert")  # whose gate_proj / up_proj load into one fused gate_up_proj
